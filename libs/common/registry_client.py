@@ -1,0 +1,75 @@
+"""Talking to the registry over NATS request/reply (used by the gateway and the scheduler)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from nats.aio.client import Client
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
+
+from libs.protocol.messages import (
+    GetWorkflow,
+    ListWorkflows,
+    RegisterWorkflow,
+    RegistryReply,
+    encode,
+    registry_reply_decoder,
+)
+from libs.protocol.subjects import Subjects
+from libs.workflow.spec import WorkflowSpec, decode_spec
+
+
+class RegistryUnavailable(RuntimeError):
+    """No registry answered; retrying later can help."""
+
+    retryable = True
+
+
+class WorkflowNotFound(LookupError):
+    retryable = False
+
+    def __init__(self, name: str, version: int = 0) -> None:
+        self.name = name
+        self.version = version
+        super().__init__(f"workflow {name!r}" + (f" version {version}" if version else "") + " not found")
+
+
+class RegistryClient:
+    def __init__(self, nc: Client, subjects: Subjects, timeout: float = 5.0, cache_size: int = 256) -> None:
+        self.nc = nc
+        self.subjects = subjects
+        self.timeout = timeout
+        self._cache: OrderedDict[tuple[str, int], WorkflowSpec] = OrderedDict()
+        self._cache_size = cache_size
+
+    async def _call(self, op: str, payload: bytes) -> RegistryReply:
+        try:
+            msg = await self.nc.request(self.subjects.registry(op), payload, timeout=self.timeout)
+        except (NoRespondersError, NatsTimeoutError, TimeoutError) as e:
+            raise RegistryUnavailable(f"registry did not answer {op!r}: {type(e).__name__}") from e
+        return registry_reply_decoder.decode(msg.data)
+
+    async def get(self, name: str, version: int = 0) -> WorkflowSpec:
+        """A spec by name (latest) or by name and version. Versions are immutable: cached."""
+        if version and (name, version) in self._cache:
+            self._cache.move_to_end((name, version))
+            return self._cache[(name, version)]
+        reply = await self._call("get", encode(GetWorkflow(name=name, version=version)))
+        if not reply.ok:
+            if reply.status == 404:
+                raise WorkflowNotFound(name, version)
+            raise RegistryUnavailable(reply.error)
+        spec = decode_spec(bytes(reply.spec))
+        self._cache[(spec.name, spec.version)] = spec
+        while len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+        return spec
+
+    async def register(self, spec_json: bytes, tenant: str = "") -> RegistryReply:
+        import msgspec
+
+        return await self._call("register", encode(RegisterWorkflow(spec=msgspec.Raw(spec_json), tenant=tenant)))
+
+    async def list(self) -> RegistryReply:
+        return await self._call("list", encode(ListWorkflows()))

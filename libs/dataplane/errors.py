@@ -1,0 +1,72 @@
+"""Errors of the data plane (paper §5.2).
+
+Each error carries its data as attributes and says whether retrying can help
+(``retryable``), so callers decide between "wait and try again" and "fail the request".
+"""
+
+from __future__ import annotations
+
+
+class DataPlaneError(Exception):
+    """Base of every data-plane error. ``retryable`` says whether the same call may succeed later."""
+
+    retryable: bool = False
+
+
+class ArenaFullError(DataPlaneError):
+    """No free block of the arena fits ``requested`` bytes.
+
+    Retryable (blocks come back when consumers release tensors) unless the request is larger
+    than the whole arena, which no amount of waiting can satisfy.
+    """
+
+    def __init__(self, requested: int, capacity: int, free: int, largest: int) -> None:
+        self.requested = requested
+        self.capacity = capacity
+        self.free = free
+        self.largest = largest
+        self.retryable = requested <= capacity
+        if requested > capacity:
+            why = "larger than the whole arena"
+        else:
+            why = f"{free} bytes free, largest free block {largest}"
+        super().__init__(f"arena cannot fit {requested} bytes (capacity {capacity}): {why}")
+
+
+class ArenaClosedError(DataPlaneError):
+    """The arena was closed (the executor is shutting down); nothing can be allocated in it."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        super().__init__(f"arena {name!r} is closed")
+
+
+class TensorNotFoundError(DataPlaneError):
+    """The tensor is not (or no longer) held by this store: released, cancelled, or never put."""
+
+    def __init__(self, tensor_id: str) -> None:
+        self.tensor_id = tensor_id
+        super().__init__(f"tensor {tensor_id!r} is not held by this store")
+
+
+class TransportError(DataPlaneError):
+    """Pulling bytes from a peer failed (peer gone, connection lost, out-of-bounds request).
+
+    Retryable: the peer may come back, or the scheduler may re-execute the producer.
+    """
+
+    retryable = True
+
+    def __init__(self, address: str, reason: str) -> None:
+        self.address = address
+        self.reason = reason
+        super().__init__(f"transport to {address!r} failed: {reason}")
+
+
+class BadTensorMetaError(DataPlaneError):
+    """Tensor metadata that arrived off the bus is malformed; ``field`` names the culprit."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        self.field = field
+        self.reason = reason
+        super().__init__(f"bad tensor metadata: {field}: {reason}")

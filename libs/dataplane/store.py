@@ -1,0 +1,322 @@
+"""The executor's tensor store: immutable tensors in the local arena, refcounted by consumers.
+
+Paper §5.2: "a producer writes its output tensor into [its arena] and publishes the tensor
+metadata ... When a consumer first needs the tensor, [it] allocates a destination block from
+[its] local arena and pulls the tensor bytes directly from the producer's remote address".
+Tensors are immutable and reclaimed when no downstream node needs them: each consumer sends a
+release to the producer, which frees the block when the count reaches zero.
+
+Lifetimes the caller must respect:
+
+* A producer's block is freed by the last ``release``: consumers must be done with their copy
+  (or with a zero-copy local view) before releasing.
+* A pulled copy lives in the *consumer's* arena until ``Lease.close()``; after that the lease's
+  tensor must not be used (the block is reused). A lease that is dropped without ``close()``
+  frees its block once the lease and every tensor made from it are garbage (host arenas).
+* Close the transport (arena) only after dropping every tensor that views it; ``close()`` does
+  not wait, it leaves the mapping to the surviving tensors and removes the segment name.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from libs.dataplane.errors import BadTensorMetaError, TensorNotFoundError
+from libs.dataplane.meta import DTYPE_SIZES, TensorMeta, check_meta
+from libs.dataplane.transport.base import Transport
+
+_DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name) for name in DTYPE_SIZES if isinstance(getattr(torch, name, None), torch.dtype)
+}
+_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in _DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``; ValueError for dtypes the data plane does not move."""
+    try:
+        return _NAMES[dtype]
+    except KeyError:
+        raise ValueError(f"dtype {dtype} is not supported by the data plane") from None
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """``"bfloat16"`` -> ``torch.bfloat16``; ValueError for unknown names."""
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"dtype {name!r} is not supported by the data plane") from None
+
+
+def _block_tensor(
+    transport: Transport, offset: int, nbytes: int, dtype: torch.dtype, shape: list[int]
+) -> tuple[torch.Tensor, memoryview | None]:
+    """A ``dtype``/``shape`` tensor viewing ``nbytes`` of the local arena at ``offset`` (no copy).
+
+    Also returns the memoryview the tensor's storage holds (host arenas), whose lifetime is that
+    of every tensor derived from the block; None for device arenas and empty tensors.
+    Offsets are min_block (256) aligned in page-aligned memory, so every dtype view is aligned.
+    """
+    arena = transport.arena
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype, device=arena.device), None
+    if arena.device == "cpu":
+        anchor = arena.view(offset, nbytes)
+        raw = torch.frombuffer(anchor, dtype=torch.uint8)
+        return raw.view(dtype).reshape(shape), anchor
+    raw = arena.tensor(offset, nbytes)  # type: ignore[attr-defined]  # device arenas (nvshmem)
+    return raw.view(dtype).reshape(shape), None
+
+
+@dataclass
+class _Entry:
+    meta: TensorMeta
+    offset: int
+    refcount: int
+    group: str
+
+
+class Lease:
+    """Access to one tensor for one consumer: ``.tensor`` plus transfer accounting.
+
+    ``local`` is True for a zero-copy view of our own arena (nothing to free), False for a copy
+    pulled from a peer into our arena (``close()`` frees it). ``transferred_bytes`` and
+    ``transfer_s`` (wall time of the pull) feed per-tenant accounting (paper §6: transfer time
+    is charged as vTime).
+    """
+
+    def __init__(
+        self,
+        meta: TensorMeta,
+        tensor: torch.Tensor,
+        *,
+        local: bool,
+        transferred_bytes: int = 0,
+        transfer_s: float = 0.0,
+        finalizer: weakref.finalize | None = None,
+    ) -> None:
+        self.meta = meta
+        self.local = local
+        self.transferred_bytes = transferred_bytes
+        self.transfer_s = transfer_s
+        self._tensor: torch.Tensor | None = tensor
+        self._finalizer = finalizer
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        if self._tensor is None:
+            raise ValueError(f"lease of {self.meta.tensor_id!r} is closed")
+        return self._tensor
+
+    @property
+    def closed(self) -> bool:
+        return self._tensor is None
+
+    def close(self) -> None:
+        """Free the local copy now (idempotent). Do not use tensors obtained from it afterwards."""
+        self._tensor = None
+        if self._finalizer is not None:
+            self._finalizer()  # runs at most once, even if the GC also gets to it
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        kind = "local" if self.local else f"copy {self.transferred_bytes}B in {self.transfer_s * 1e3:.2f}ms"
+        return f"<Lease {self.meta.tensor_id!r} {kind}{' closed' if self.closed else ''}>"
+
+
+class TensorStore:
+    """Executor-side store of produced tensors over ``transport``'s arena. Thread-safe.
+
+    ``put`` may block (up to ``alloc_timeout`` seconds) waiting for space; ``release`` and
+    ``release_group`` never block on allocation, so an asyncio loop may call them while a
+    worker thread waits in ``put``/``open``.
+    """
+
+    def __init__(self, executor_id: str, transport: Transport, alloc_timeout: float = 30.0) -> None:
+        self.executor_id = executor_id
+        self.transport = transport
+        self.alloc_timeout = alloc_timeout
+        self._lock = threading.Lock()
+        self._entries: dict[str, _Entry] = {}
+        self._groups: dict[str, set[str]] = {}
+        self._pending: set[str] = set()
+
+    # --- producer side -------------------------------------------------------------------------
+
+    def put(self, tensor_id: str, tensor: torch.Tensor, *, consumers: int, group: str) -> TensorMeta:
+        """Copy ``tensor`` into a new arena block and hold it for ``consumers`` releases.
+
+        Any layout or device is accepted (copied contiguously onto the arena's device). Waits up
+        to ``alloc_timeout`` for space (ArenaFullError after that). ValueError if ``tensor_id``
+        is already held or ``consumers < 1``. Returns the metadata to publish.
+        """
+        if consumers < 1:
+            raise ValueError(f"consumers must be >= 1, got {consumers}")
+        if not tensor_id:
+            raise ValueError("tensor_id must be non-empty")
+        name = dtype_name(tensor.dtype)
+        shape = list(tensor.shape)
+        nbytes = tensor.numel() * tensor.element_size()
+        with self._lock:
+            if tensor_id in self._entries or tensor_id in self._pending:
+                raise ValueError(f"tensor {tensor_id!r} is already in the store")
+            self._pending.add(tensor_id)
+        try:
+            offset = self.transport.arena.allocate(nbytes, timeout=self.alloc_timeout)
+            try:
+                if nbytes:
+                    dst, _ = _block_tensor(self.transport, offset, nbytes, tensor.dtype, shape)
+                    dst.copy_(tensor.detach())
+            except BaseException:
+                self.transport.arena.free(offset)
+                raise
+            meta = TensorMeta(
+                tensor_id=tensor_id,
+                executor=self.executor_id,
+                transport=self.transport.kind,
+                address=self.transport.address,
+                offset=offset,
+                nbytes=nbytes,
+                dtype=name,
+                shape=shape,
+                device=self.transport.arena.device,
+            )
+            with self._lock:
+                self._entries[tensor_id] = _Entry(meta, offset, consumers, group)
+                self._groups.setdefault(group, set()).add(tensor_id)
+            return meta
+        finally:
+            with self._lock:
+                self._pending.discard(tensor_id)
+
+    def release(self, tensor_id: str, count: int = 1) -> bool:
+        """A consumer is done: decrement the refcount; free the block at zero.
+
+        Returns True iff this call freed the block. Unknown ids return False (a release repeated
+        after a retry, or one racing ``release_group``), so callers need not deduplicate.
+        """
+        if count < 1:
+            raise ValueError(f"count must be >= 1, got {count}")
+        with self._lock:
+            entry = self._entries.get(tensor_id)
+            if entry is None:
+                return False
+            entry.refcount -= count
+            if entry.refcount > 0:
+                return False
+            self._forget(tensor_id, entry)
+        self.transport.arena.free(entry.offset)
+        return True
+
+    def release_group(self, group: str) -> int:
+        """Free every tensor of ``group`` (a cancelled or failed request) whatever its refcount.
+
+        Returns how many were freed.
+        """
+        with self._lock:
+            ids = self._groups.pop(group, set())
+            entries = [self._entries.pop(tid) for tid in ids if tid in self._entries]
+        for entry in entries:
+            self.transport.arena.free(entry.offset)
+        return len(entries)
+
+    def _forget(self, tensor_id: str, entry: _Entry) -> None:
+        del self._entries[tensor_id]
+        members = self._groups.get(entry.group)
+        if members is not None:
+            members.discard(tensor_id)
+            if not members:
+                del self._groups[entry.group]
+
+    # --- consumer side -------------------------------------------------------------------------
+
+    def open(self, meta: TensorMeta) -> Lease:
+        """Access the tensor ``meta`` describes.
+
+        Ours (``meta.executor == executor_id``): a zero-copy view of our arena; raises
+        TensorNotFoundError if we no longer hold it. A peer's: allocate in our arena (waiting up
+        to ``alloc_timeout``), pull the bytes with the transport, and view the local copy.
+        Raises BadTensorMetaError for malformed metadata, TransportError if the pull fails.
+        """
+        check_meta(meta)
+        try:
+            dtype = torch_dtype(meta.dtype)
+        except ValueError as exc:
+            raise BadTensorMetaError("dtype", str(exc)) from None
+        if meta.executor == self.executor_id:
+            with self._lock:
+                entry = self._entries.get(meta.tensor_id)
+            if entry is None or entry.offset != meta.offset or entry.meta.nbytes != meta.nbytes:
+                raise TensorNotFoundError(meta.tensor_id)
+            view, _ = _block_tensor(self.transport, meta.offset, meta.nbytes, dtype, meta.shape)
+            return Lease(meta, view, local=True)
+        arena = self.transport.arena
+        offset = arena.allocate(meta.nbytes, timeout=self.alloc_timeout)
+        try:
+            start = time.perf_counter()
+            if meta.nbytes:
+                self.transport.read_into(meta, offset)
+            elapsed = time.perf_counter() - start
+            tensor, anchor = _block_tensor(self.transport, offset, meta.nbytes, dtype, meta.shape)
+        except BaseException:
+            arena.free(offset)
+            raise
+        lease = Lease(meta, tensor, local=False, transferred_bytes=meta.nbytes, transfer_s=elapsed)
+        # Safety net for leases dropped without close(): free the block once nothing can see it.
+        # On host arenas that is when the memoryview every derived tensor's storage holds dies;
+        # elsewhere (device arenas, empty tensors) when the lease itself is collected.
+        # free_soon because a finalizer can fire inside the arena's own locked code (cyclic GC).
+        finalizer = weakref.finalize(anchor if anchor is not None else lease, arena.free_soon, offset)
+        finalizer.atexit = False
+        lease._finalizer = finalizer
+        return lease
+
+    # --- introspection -------------------------------------------------------------------------
+
+    def __contains__(self, tensor_id: object) -> bool:
+        with self._lock:
+            return tensor_id in self._entries
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    def get(self, tensor_id: str) -> TensorMeta | None:
+        """The metadata of a tensor we hold, or None."""
+        with self._lock:
+            entry = self._entries.get(tensor_id)
+        return None if entry is None else entry.meta
+
+    def refcount(self, tensor_id: str) -> int:
+        """Releases still expected for ``tensor_id`` (0 if not held)."""
+        with self._lock:
+            entry = self._entries.get(tensor_id)
+        return 0 if entry is None else entry.refcount
+
+    def stats(self) -> dict[str, Any]:
+        """capacity, used, free, largest_free (bytes), tensors (held for consumers), copies
+        (blocks held by open or not-yet-collected leases and in-flight puts)."""
+        arena = self.transport.arena.stats()
+        with self._lock:
+            tensors = len(self._entries)
+        return {
+            "capacity": arena["capacity"],
+            "used": arena["used"],
+            "free": arena["free"],
+            "largest_free": arena["largest_free"],
+            "tensors": tensors,
+            "copies": max(0, arena["blocks"] - tensors),
+        }

@@ -1,0 +1,219 @@
+"""NVSHMEM transport: one-sided GPU-to-GPU pulls between executors of one NVSHMEM world (paper §5.2).
+
+Each executor is one PE on one GPU. At start-up every PE collectively allocates one symmetric
+arena (``nvshmem.core.bytetensor((capacity,))``) and sub-allocates it locally with the buddy
+allocator — NVSHMEM allocation is collective, so per-tensor ``nvshmem_malloc`` is not an option.
+Because the heap is symmetric, a tensor at ``offset`` in the producer's arena is pulled with
+``getmem_on_stream(dst = our_base + our_offset, src = our_base + offset, nbytes, pe, stream)``:
+peers exchange offsets, never pointers.
+
+Bootstrap is UID-based (no MPI): rank 0 creates the 128-byte unique id and the caller-provided
+``exchange_uid`` callback shares it (through Redis, a file, ...); every PE then blocks in
+``init`` until all ``nranks`` have joined. The world is fixed at init (re-init in one process is
+unreliable), so scaling down means routing no more work to a PE, not leaving the world.
+
+``nvshmem`` (nvshmem4py), ``cuda.core`` and torch are imported lazily inside the class so this
+module imports on machines without them; constructing the transport there raises a
+DataPlaneError that says what is missing. Not exercised by CPU CI (marker ``nvshmem``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+from libs.dataplane.arena import Arena
+from libs.dataplane.errors import ArenaClosedError, DataPlaneError, TransportError
+from libs.dataplane.meta import TensorMeta
+from libs.dataplane.transport.base import Transport
+
+#: Headroom added to NVSHMEM_SYMMETRIC_SIZE beyond the arena (NVSHMEM's own symmetric objects).
+_HEAP_HEADROOM = 256 << 20
+
+#: ``exchange_uid(uid)``: rank 0 passes its unique id (bytes) and the callback publishes it;
+#: other ranks pass None and the callback returns the published bytes (blocking until present).
+UidExchange = Callable[[bytes | None], bytes]
+
+
+class NvshmemArena(Arena):
+    """The local PE's symmetric arena: buddy-allocated device memory.
+
+    Has no host ``memoryview``; ``tensor(offset, nbytes)`` returns a uint8 CUDA tensor view of a
+    block instead (the store reinterprets it with the tensor's dtype and shape).
+    """
+
+    kind = "nvshmem"
+
+    def __init__(self, name: str, symmetric: Any, min_block: int = 256) -> None:
+        super().__init__(name, int(symmetric.numel()), min_block)
+        self._symmetric = symmetric
+        self.device = str(symmetric.device)
+        self.base_ptr: int = int(symmetric.data_ptr())
+
+    @property
+    def buf(self) -> memoryview:
+        raise DataPlaneError(
+            f"arena {self.name!r} is device memory ({self.device}); use tensor(offset, nbytes)"
+        )
+
+    def view(self, offset: int, nbytes: int) -> memoryview:
+        return self.buf
+
+    def tensor(self, offset: int, nbytes: int) -> Any:
+        """A uint8 CUDA tensor over ``[offset, offset+nbytes)`` of the arena (bounds-checked)."""
+        if self.closed:
+            raise ArenaClosedError(self.name)
+        if offset < 0 or nbytes < 0 or offset + nbytes > self.capacity:
+            raise ValueError(f"range [{offset}, {offset + nbytes}) is outside arena of {self.capacity} bytes")
+        return self._symmetric[offset : offset + nbytes]
+
+    @property
+    def symmetric(self) -> Any:
+        return self._symmetric
+
+    def _release_backing(self) -> None:
+        # Freeing symmetric memory is collective; a lone executor leaving must not call it (it
+        # would hang waiting for the other PEs). NvshmemTransport.finalize() frees it for all.
+        pass
+
+
+class NvshmemTransport(Transport):
+    """This PE's symmetric arena plus one-sided ``getmem`` pulls from other PEs.
+
+    ``address`` (TensorMeta.address) is this PE's rank. All PEs must use the same ``capacity``
+    (symmetric allocation). ``device_index`` defaults to ``rank % torch.cuda.device_count()``.
+    ``close()`` is local (stops allocating); ``finalize()`` is collective and must be called by
+    every PE together at world shutdown.
+    """
+
+    kind = "nvshmem"
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        nranks: int,
+        capacity: int,
+        exchange_uid: UidExchange,
+        device_index: int | None = None,
+        min_block: int = 256,
+    ) -> None:
+        if not 0 <= rank < nranks:
+            raise ValueError(f"rank {rank} is not in [0, {nranks})")
+        try:
+            import numpy as np
+            import nvshmem.bindings as bindings
+            import nvshmem.core as nvshmem
+            import torch
+        except ImportError as exc:
+            raise DataPlaneError(
+                f"NVSHMEM transport unavailable: {exc} (install the 'gpu' extra: nvshmem4py-cu13, cuda-core)"
+            ) from exc
+        try:
+            from cuda.core import Device
+        except ImportError:  # cuda.core < 0.5 kept it under .experimental
+            from cuda.core.experimental import Device
+        if not torch.cuda.is_available():
+            raise DataPlaneError("NVSHMEM transport unavailable: no CUDA device is visible to torch")
+        self._torch = torch
+        self._nvshmem = nvshmem
+        self._bindings = bindings
+        self.rank = rank
+        self.nranks = nranks
+        index = rank % torch.cuda.device_count() if device_index is None else device_index
+        torch.cuda.set_device(index)
+        device = Device(index)
+        device.set_current()
+
+        # The symmetric heap's size is fixed at init: make room for the arena unless the
+        # operator sized it explicitly.
+        os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(capacity + _HEAP_HEADROOM))
+
+        uid = nvshmem.get_unique_id(empty=rank != 0)
+        raw = uid._data.view(np.uint8)  # the 128-byte id; ``_data`` is how NVIDIA's examples share it
+        if rank == 0:
+            exchange_uid(bytes(raw))
+        else:
+            data = exchange_uid(None)
+            if len(data) != raw.nbytes:
+                raise DataPlaneError(f"NVSHMEM unique id must be {raw.nbytes} bytes, got {len(data)}")
+            raw[:] = np.frombuffer(data, dtype=np.uint8)
+        try:
+            # Blocks until all nranks PEs have called init with the same uid.
+            nvshmem.init(device=device, uid=uid, rank=rank, nranks=nranks, initializer_method="uid")
+            symmetric = nvshmem.bytetensor((capacity,))  # collective: every PE, same size
+        except Exception as exc:  # NvshmemError / NvshmemInvalid: say why, as our error type
+            raise DataPlaneError(f"NVSHMEM init of PE {rank}/{nranks} failed: {exc}") from exc
+        if int(nvshmem.my_pe()) != rank:
+            raise DataPlaneError(f"NVSHMEM assigned PE {nvshmem.my_pe()} but this executor is rank {rank}")
+        self.arena: NvshmemArena = NvshmemArena(f"nvshmem-pe{rank}", symmetric, min_block)
+        self.address = str(rank)
+        self._finalized = False
+
+    def _pe(self, meta: TensorMeta) -> int:
+        try:
+            pe = int(meta.address)
+        except ValueError:
+            raise TransportError(meta.address, "nvshmem address must be a PE rank") from None
+        if not 0 <= pe < self.nranks:
+            raise TransportError(meta.address, f"PE {pe} is not in this world of {self.nranks}")
+        return pe
+
+    def read_into(self, meta: TensorMeta, offset: int) -> None:
+        """One-sided get of ``meta.nbytes`` from PE ``meta.address`` into our arena at ``offset``.
+
+        Issued on the current CUDA stream; returns once the bytes have landed (an event on that
+        stream is synchronised), so the caller may hand the block to any stream.
+        """
+        self._check_kind(meta)
+        pe = self._pe(meta)
+        if meta.offset + meta.nbytes > self.arena.capacity:
+            # Symmetric arenas have one size, so our capacity bounds the peer's too.
+            raise TransportError(
+                meta.address, f"range [{meta.offset}, {meta.offset + meta.nbytes}) outside arena"
+            )
+        if offset < 0 or offset + meta.nbytes > self.arena.capacity:
+            raise ValueError(f"destination [{offset}, {offset + meta.nbytes}) outside our arena")
+        if meta.nbytes == 0:
+            return
+        torch = self._torch
+        stream = torch.cuda.current_stream()
+        base = self.arena.base_ptr
+        try:
+            # src is *our* address of the symmetric object; NVSHMEM translates it for PE `pe`.
+            self._bindings.getmem_on_stream(
+                base + offset, base + meta.offset, meta.nbytes, pe, int(stream.cuda_stream)
+            )
+        except Exception as exc:
+            raise TransportError(meta.address, f"nvshmem getmem failed: {exc}") from exc
+        done = torch.cuda.Event()
+        done.record(stream)
+        done.synchronize()
+
+    def read(self, meta: TensorMeta, dst: memoryview) -> None:
+        """Pull into host memory: get into a staging block of our arena, then copy device-to-host."""
+        out = self._check(meta, dst)
+        if meta.nbytes == 0:
+            return
+        staging = self.arena.allocate(meta.nbytes)
+        try:
+            self.read_into(meta, staging)
+            host = self._torch.frombuffer(out, dtype=self._torch.uint8)
+            host.copy_(self.arena.tensor(staging, meta.nbytes))
+        finally:
+            self.arena.free(staging)
+
+    def _check_kind(self, meta: TensorMeta) -> None:
+        if meta.transport != self.kind:
+            raise TransportError(meta.address, f"{meta.transport!r} tensor cannot be read over nvshmem")
+
+    def finalize(self) -> None:
+        """Collective teardown: free the symmetric arena and finalize NVSHMEM (all PEs together)."""
+        if self._finalized:
+            return
+        self._finalized = True
+        symmetric = self.arena.symmetric
+        self.arena.close()
+        self._nvshmem.free_tensor(symmetric)
+        self._nvshmem.finalize()

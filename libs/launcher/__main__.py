@@ -1,0 +1,114 @@
+"""``python -m libs.launcher`` (``make run``): the whole platform on this machine.
+
+Starts NATS and Redis where none answers, builds the tiny-flux models if missing, starts every
+service (two executors), registers the built-in workflow through the HTTP API, generates a sample
+image to ``out/sample.png``, prints a curl command that makes another, and serves until Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from libs.launcher import brokers
+from libs.launcher.stack import Stack, StackError
+
+DEV_KEY = "sk-t2i-dev"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m libs.launcher", description=__doc__)
+    ap.add_argument("--port", type=int, default=int(os.environ.get("T2I_GATEWAY_PORT", "8000")))
+    ap.add_argument("--executors", type=int, default=2)
+    ap.add_argument("--models", default="models", help="folder of model folders")
+    ap.add_argument("--out", default="out", help="where the sample image goes")
+    ap.add_argument("--var", default="var", help="logs and local broker data")
+    ap.add_argument("--no-wait", action="store_true", help="stop after the sample image")
+    args = ap.parse_args(argv)
+
+    nats_url = os.environ.get("T2I_NATS_URL", "nats://127.0.0.1:4222")
+    redis_url = os.environ.get("T2I_REDIS_URL", "redis://127.0.0.1:6379/0")
+    var = Path(args.var)
+    started = brokers.ensure_brokers(nats_url, redis_url, var)
+
+    from libs.models.build import main as build_models  # imports torch: after the brokers check
+
+    print("building the tiny-flux models (random weights) if missing ...")
+    build_models(["--out", args.models, "--preset", "tiny"])
+
+    stack = Stack(
+        namespace=os.environ.get("T2I_NAMESPACE", "t2i"),
+        log_dir=var / "logs",
+        model_root=Path(args.models).resolve(),
+        gateway_port=args.port,
+        executors=args.executors,
+        api_keys=f"{DEV_KEY}=local:admin",
+        nats_url=nats_url,
+        redis_url=redis_url,
+    )
+    print(f"starting gateway, registry, scheduler and {args.executors} executors (logs in {stack.log_dir}) ...")
+    try:
+        stack.start()
+        import json
+
+        from libs.models.workflows import tiny_flux
+        from libs.workflow.spec import encode_spec
+
+        status, body = stack.http("POST", "/v1/workflows", json.loads(encode_spec(tiny_flux())))
+        if status not in (200, 201):
+            raise StackError(f"registering tiny-flux failed: {status} {body}")
+        print(f"registered workflow tiny-flux v{body['workflow']['version']}")
+        t0 = time.monotonic()
+        status, body = stack.http(
+            "POST",
+            "/v1/images/generations",
+            {"model": "tiny-flux", "prompt": "a lighthouse at dusk", "size": "128x128", "seed": 7},
+        )
+        if status != 200:
+            raise StackError(f"sample generation failed: {status} {body}\n{stack.tail('scheduler')}")
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "sample.png").write_bytes(base64.b64decode(body["data"][0]["b64_json"]))
+        print(f"wrote {out / 'sample.png'} in {time.monotonic() - t0:.2f}s")
+        print("\nmake another image with:\n")
+        print(curl_command(stack.url, args.out))
+        if args.no_wait:
+            return 0
+        print("\nserving; Ctrl-C stops everything this command started")
+        signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+        while all(p.poll() is None for p in stack.procs.values()):
+            time.sleep(0.5)
+        dead = [n for n, p in stack.procs.items() if p.poll() is not None]
+        print(f"{dead} exited; stopping", file=sys.stderr)
+        for n in dead:
+            print(stack.tail(n), file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\nstopping ...")
+        return 0
+    except (StackError, brokers.BrokerError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        stack.stop()
+        brokers.stop(started)
+
+
+def curl_command(url: str, out: str) -> str:
+    body = '{"model": "tiny-flux", "prompt": "a red fox in the snow", "size": "128x128", "seed": 1}'
+    return (
+        f"curl -s {url}/v1/images/generations \\\n"
+        f"  -H 'Authorization: Bearer {DEV_KEY}' -H 'Content-Type: application/json' \\\n"
+        f"  -d '{body}' \\\n"
+        f"  | python3 -c 'import sys,json,base64; "
+        f"open(\"{out}/fox.png\",\"wb\").write(base64.b64decode(json.load(sys.stdin)[\"data\"][0][\"b64_json\"]))'"
+    )
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

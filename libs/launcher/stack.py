@@ -1,0 +1,160 @@
+"""Running the whole platform on one machine as separate processes (no Docker).
+
+:class:`Stack` starts the registry, scheduler, gateway and N executors, each ``python -m
+services.<name>`` with its own environment, logs to files, waits until the gateway is ready and
+every executor has said so, and stops everything it started. ``make run`` and the end-to-end tests
+use it; a deployment uses ``deploy/compose.yaml`` instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class StackError(RuntimeError):
+    pass
+
+
+@dataclass
+class Stack:
+    namespace: str
+    log_dir: Path
+    model_root: Path
+    gateway_port: int = 8000
+    executors: int = 2
+    api_keys: str = "sk-t2i-dev=local:admin"
+    nats_url: str = "nats://127.0.0.1:4222"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    executor_threads: int = 1
+    executor_arena_mb: int = 256
+    extra_env: dict[str, str] = field(default_factory=dict)
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.gateway_port}"
+
+    def env(self, **more: str) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("T2I_")}
+        env.update(
+            T2I_NAMESPACE=self.namespace,
+            T2I_NATS_URL=self.nats_url,
+            T2I_REDIS_URL=self.redis_url,
+            PYTHONUNBUFFERED="1",
+            **self.extra_env,
+            **more,
+        )
+        return env
+
+    def spawn(self, name: str, module: str, **env: str) -> subprocess.Popen:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        out = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
+        proc = subprocess.Popen(
+            [sys.executable, "-m", module],
+            env=self.env(**env),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=Path(__file__).resolve().parents[2],
+        )
+        out.close()
+        self.procs[name] = proc
+        return proc
+
+    def start_executor(self, name: str) -> subprocess.Popen:
+        return self.spawn(
+            name,
+            "services.executor",
+            T2I_EXECUTOR_ID=f"{self.namespace}-{name}",
+            T2I_EXECUTOR_THREADS=str(self.executor_threads),
+            T2I_EXECUTOR_ARENA_MB=str(self.executor_arena_mb),
+            T2I_EXECUTOR_MODEL_ROOT=str(self.model_root),
+            T2I_EXECUTOR_HEARTBEAT_S="0.5",
+        )
+
+    def start(self, timeout: float = 120.0) -> Stack:
+        try:
+            self.spawn("registry", "services.registry")
+            self.spawn("scheduler", "services.scheduler", T2I_SCHEDULER_HEARTBEAT_TIMEOUT_S="3")
+            self.spawn(
+                "gateway",
+                "services.gateway",
+                T2I_GATEWAY_PORT=str(self.gateway_port),
+                T2I_GATEWAY_API_KEYS=self.api_keys,
+            )
+            for i in range(self.executors):
+                self.start_executor(f"executor-{i}")
+            self.wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        pending = {n for n in self.procs if n.startswith("executor")} | {"gateway"}
+        while pending and time.monotonic() < deadline:
+            for name, proc in self.procs.items():
+                if proc.poll() is not None:
+                    raise StackError(f"{name} exited with {proc.returncode}\n{self.tail(name)}")
+            for name in list(pending):
+                if name == "gateway":
+                    if self.http("GET", "/readyz")[0] == 200:
+                        pending.discard(name)
+                elif "executor ready" in self.read_log(name):
+                    pending.discard(name)
+            time.sleep(0.1)
+        if pending:
+            raise StackError(f"not ready after {timeout:.0f}s: {sorted(pending)}\n" + "\n".join(self.tail(n) for n in pending))
+
+    def http(self, method: str, path: str, body: object = None, key: str | None = None, timeout: float = 300.0) -> tuple[int, dict]:
+        """A JSON call to the gateway; returns (status, body). Never raises on HTTP errors."""
+        key = key or self.api_keys.split(",")[0].split("=")[0]
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(self.url + path, data=data, method=method)
+        req.add_header("Authorization", f"Bearer {key}")
+        if data is not None:
+            req.add_header("Content-Type", "application/json")
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return r.status, json.loads(r.read() or b"{}")
+        except urllib.error.HTTPError as e:
+            raw = e.read()
+            try:
+                return e.code, json.loads(raw or b"{}")
+            except json.JSONDecodeError:
+                return e.code, {"raw": raw.decode(errors="replace")}
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            return 0, {}
+
+    def read_log(self, name: str) -> str:
+        p = self.log_dir / f"{name}.log"
+        return p.read_text(errors="replace") if p.exists() else ""
+
+    def tail(self, name: str, chars: int = 3000) -> str:
+        return f"--- {name} log ---\n{self.read_log(name)[-chars:]}"
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        proc = self.procs[name]
+        proc.send_signal(sig)
+        proc.wait(10)
+
+    def stop(self, timeout: float = 15.0) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for proc in self.procs.values():
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

@@ -1,0 +1,421 @@
+"""The Flux model family as six ModelFns: diffusers' ``FluxPipeline.__call__`` cut at its seams.
+
+Each class below mirrors one stretch of ``diffusers/pipelines/flux/pipeline_flux.py`` (diffusers
+0.42.1) and runs it on its own, so a workflow of these nodes reproduces the monolithic pipeline's
+image bitwise (measured; ``shared/NOTES-diffusers.md``, "Decomposition is exact"):
+
+==========================  =====================================================================
+ModelFn (``fn_name``)       what it mirrors in ``FluxPipeline``
+==========================  =====================================================================
+``flux.clip_encoder``       ``_get_clip_prompt_embeds``: CLIP tokenizer + ``pooler_output``
+``flux.t5_encoder``         ``_get_t5_prompt_embeds`` + the ``text_ids`` line of ``encode_prompt``
+``flux.prepare_latents``    step 4 ``prepare_latents`` (noise, 2x2 packing, ``latent_image_ids``)
+                            and step 5 ``calculate_shift`` + ``retrieve_timesteps``
+``flux.transformer``        one iteration of the step-6 loop up to ``noise_pred`` (guidance, t/1000)
+``flux.flow_match_step``    the ``self.scheduler.step(noise_pred, t, latents)`` line of that loop
+``flux.vae_decode``         the tail: ``_unpack_latents``, scale/shift, ``vae.decode``, postprocess
+==========================  =====================================================================
+
+The denoising loop itself is the workflow's: for ``step`` in ``range(num_inference_steps)`` it binds
+``flux.transformer`` then ``flux.flow_match_step``. Batch size is 1 and ``num_images_per_prompt`` is
+1 (the platform never batches requests: batching changes the bits). True CFG, IP-Adapter and
+callbacks are not mirrored; the ControlNet input of the transformer comes with the ControlNet issue.
+
+Why the scheduler step is stateless. ``FlowMatchEulerDiscreteScheduler`` keeps ``sigmas`` and a
+``_step_index`` between calls, but consecutive steps of one request may run on different executors
+(or after a retry). The Euler step is ``x + (sigma[i+1] - sigma[i]) * v`` in fp32, and the sigmas are
+a pure function of ``(num_inference_steps, mu)``, with ``mu`` a function of the packed sequence length
+``latents.shape[1]``. So the node carries only ``(num_inference_steps, step)``, rebuilds a fresh
+scheduler per call with the pipeline's exact ``set_timesteps`` arguments, and pins the index with
+``set_begin_index(step)``: bitwise equal to the pipeline's stateful scheduler.
+
+Dtypes follow the pipeline as loaded by ``from_pretrained`` without ``torch_dtype``: transformers
+models load at the dtype saved in their config, diffusers models at fp32. Two values depend on a
+component another node owns, so they are read from that component's config, not its weights:
+``text_ids`` takes the *CLIP* encoder's dtype (``encode_prompt``: ``self.text_encoder.dtype``), and
+the noise takes the *T5* embeddings' dtype (``prepare_latents(..., prompt_embeds.dtype, ...)``).
+
+This module imports no torch, diffusers or transformers at import time: the registry reads
+``signature()`` of these classes in a process without torch. Heavy imports live in the methods.
+The device is ``$T2I_DEVICE`` (default ``cpu``); ``flux.prepare_latents`` always runs on the CPU,
+as the pipeline's CPU generator draws the noise there.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+from libs.workflow.modelfn import ModelFn
+
+if TYPE_CHECKING:
+    import torch
+
+
+# -- helpers mirroring FluxPipeline's module functions and static methods --------------------------
+
+
+def _device() -> torch.device:
+    import torch
+
+    return torch.device(os.environ.get("T2I_DEVICE", "cpu"))
+
+
+def _config_dtype(model_path: str, subfolder: str) -> torch.dtype:
+    """The dtype ``from_pretrained`` gives a transformers model: the one saved in its config."""
+    import torch
+    from transformers import AutoConfig
+
+    dtype = AutoConfig.from_pretrained(model_path, subfolder=subfolder).dtype
+    if isinstance(dtype, str):  # older configs spell it as a string
+        dtype = getattr(torch, dtype)
+    return dtype if isinstance(dtype, torch.dtype) else torch.float32
+
+
+def _vae_scale_factor(vae_config: dict[str, Any]) -> int:
+    # FluxPipeline.__init__: 2 ** (len(vae.config.block_out_channels) - 1)
+    return int(2 ** (len(vae_config["block_out_channels"]) - 1))
+
+
+def _latent_size(height: int, width: int, vae_scale_factor: int) -> tuple[int, int]:
+    # prepare_latents/_unpack_latents: the VAE compresses by vae_scale_factor and packing needs
+    # an even latent height and width.
+    return 2 * (int(height) // (vae_scale_factor * 2)), 2 * (int(width) // (vae_scale_factor * 2))
+
+
+def _calculate_shift(image_seq_len: int, scheduler_config: dict[str, Any]) -> float:
+    """``mu`` of the resolution-dependent shift: a line through (base_seq, base_shift) and
+    (max_seq, max_shift), as pipeline_flux.calculate_shift computes it (same operation order, so
+    the same float)."""
+    base_seq_len = scheduler_config.get("base_image_seq_len", 256)
+    max_seq_len = scheduler_config.get("max_image_seq_len", 4096)
+    base_shift = scheduler_config.get("base_shift", 0.5)
+    max_shift = scheduler_config.get("max_shift", 1.15)
+    m = (max_shift - base_shift) / (max_seq_len - base_seq_len)
+    b = base_shift - m * base_seq_len
+    return float(image_seq_len * m + b)
+
+
+def _set_flux_timesteps(scheduler: Any, num_inference_steps: int, image_seq_len: int, device: Any) -> None:
+    """FluxPipeline step 5: default sigmas ``linspace(1, 1/n, n)`` (dropped when the scheduler uses
+    flow sigmas), ``mu`` from the packed sequence length, then ``retrieve_timesteps``'s sigmas branch,
+    i.e. ``set_timesteps(sigmas=..., device=..., mu=...)``."""
+    import numpy as np
+
+    n = int(num_inference_steps)
+    sigmas: Any = np.linspace(1.0, 1 / n, n)
+    if getattr(scheduler.config, "use_flow_sigmas", False):
+        sigmas = None
+    mu = _calculate_shift(image_seq_len, dict(scheduler.config))
+    if sigmas is None:
+        scheduler.set_timesteps(n, device=device, mu=mu)
+    else:
+        scheduler.set_timesteps(sigmas=sigmas, device=device, mu=mu)
+
+
+def _pack_latents(latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """[B, C, H, W] -> [B, (H/2)*(W/2), 4C]: every 2x2 latent patch becomes one token."""
+    b, c = latents.shape[0], latents.shape[1]
+    latents = latents.view(b, c, height // 2, 2, width // 2, 2)
+    latents = latents.permute(0, 2, 4, 1, 3, 5)
+    return latents.reshape(b, (height // 2) * (width // 2), c * 4)
+
+
+def _unpack_latents(latents: torch.Tensor, height: int, width: int, vae_scale_factor: int) -> torch.Tensor:
+    """Inverse of :func:`_pack_latents`, from the image size in pixels."""
+    b, _, channels = latents.shape
+    lh, lw = _latent_size(height, width, vae_scale_factor)
+    latents = latents.view(b, lh // 2, lw // 2, channels // 4, 2, 2)
+    latents = latents.permute(0, 3, 1, 4, 2, 5)
+    return latents.reshape(b, channels // 4, lh, lw)
+
+
+def _latent_image_ids(height: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+    """[h*w, 3] position ids of the packed tokens: (0, row, column), for the 3-axis RoPE."""
+    import torch
+
+    ids = torch.zeros(height, width, 3)
+    ids[..., 1] = ids[..., 1] + torch.arange(height)[:, None]
+    ids[..., 2] = ids[..., 2] + torch.arange(width)[None, :]
+    return ids.reshape(height * width, 3).to(dtype=dtype)
+
+
+# -- the ModelFns --------------------------------------------------------------------------------
+
+
+class FluxClipEncoder(ModelFn):
+    """CLIP text encoder: the pooled prompt embedding, ``pooled_prompt_embeds`` [1, hidden]."""
+
+    fn_name = "flux.clip_encoder"
+
+    def setup_io(self) -> None:
+        self.add_input("prompt")
+        self.add_output("pooled_prompt_embeds")
+
+    def load_model(self, model_path: str) -> dict[str, Any]:
+        from transformers import CLIPTextModel, CLIPTokenizer
+
+        tokenizer = CLIPTokenizer.from_pretrained(model_path, subfolder="tokenizer")
+        text_encoder = CLIPTextModel.from_pretrained(model_path, subfolder="text_encoder")
+        return {"tokenizer": tokenizer, "text_encoder": text_encoder.to(_device()).eval()}
+
+    def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
+        import torch
+
+        prompt: str = inputs["prompt"]
+        tokenizer, text_encoder = components["tokenizer"], components["text_encoder"]
+        with torch.no_grad():
+            # _get_clip_prompt_embeds (maybe_convert_prompt is the identity: no textual inversion).
+            text_input_ids = tokenizer(
+                [prompt],
+                padding="max_length",
+                max_length=tokenizer.model_max_length,
+                truncation=True,
+                return_overflowing_tokens=False,
+                return_length=False,
+                return_tensors="pt",
+            ).input_ids
+            out = text_encoder(text_input_ids.to(text_encoder.device), output_hidden_states=False)
+            # Use pooled output of CLIPTextModel
+            pooled_prompt_embeds = out.pooler_output.to(dtype=text_encoder.dtype)
+        return {"pooled_prompt_embeds": pooled_prompt_embeds}
+
+
+class FluxT5Encoder(ModelFn):
+    """T5 text encoder: ``prompt_embeds`` [1, max_sequence_length, d_model] and ``text_ids``
+    [max_sequence_length, 3] zeros."""
+
+    fn_name = "flux.t5_encoder"
+
+    def setup_io(self) -> None:
+        self.add_input("prompt")
+        self.add_input("max_sequence_length")
+        self.add_output("prompt_embeds")
+        self.add_output("text_ids")
+
+    def load_model(self, model_path: str) -> dict[str, Any]:
+        from transformers import T5EncoderModel, T5TokenizerFast
+
+        tokenizer_2 = T5TokenizerFast.from_pretrained(model_path, subfolder="tokenizer_2")
+        text_encoder_2 = T5EncoderModel.from_pretrained(model_path, subfolder="text_encoder_2")
+        return {
+            "tokenizer_2": tokenizer_2,
+            "text_encoder_2": text_encoder_2.to(_device()).eval(),
+            # encode_prompt builds text_ids in the CLIP encoder's dtype, not T5's.
+            "text_ids_dtype": _config_dtype(model_path, "text_encoder"),
+        }
+
+    def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
+        import torch
+
+        prompt: str = inputs["prompt"]
+        max_sequence_length = int(inputs["max_sequence_length"])
+        if max_sequence_length > 512:  # FluxPipeline.check_inputs
+            raise ValueError(f"max_sequence_length cannot be greater than 512 but is {max_sequence_length}")
+        tokenizer_2, text_encoder_2 = components["tokenizer_2"], components["text_encoder_2"]
+        with torch.no_grad():
+            # _get_t5_prompt_embeds
+            text_input_ids = tokenizer_2(
+                [prompt],
+                padding="max_length",
+                max_length=max_sequence_length,
+                truncation=True,
+                return_length=False,
+                return_overflowing_tokens=False,
+                return_tensors="pt",
+            ).input_ids
+            out = text_encoder_2(text_input_ids.to(text_encoder_2.device), output_hidden_states=False)[0]
+            prompt_embeds = out.to(dtype=text_encoder_2.dtype)
+            # encode_prompt: text_ids = zeros(seq_len, 3) in text_encoder.dtype
+            text_ids = torch.zeros(prompt_embeds.shape[1], 3).to(
+                device=prompt_embeds.device, dtype=components["text_ids_dtype"]
+            )
+        return {"prompt_embeds": prompt_embeds, "text_ids": text_ids}
+
+
+class FluxPrepareLatents(ModelFn):
+    """Initial noise and schedule: ``latents`` [1, seq, 4C] (packed), ``latent_image_ids`` [seq, 3]
+    and ``timesteps`` [num_inference_steps] (fp32). Needs configs only, no weights."""
+
+    fn_name = "flux.prepare_latents"
+
+    def setup_io(self) -> None:
+        self.add_input("seed")
+        self.add_input("height")
+        self.add_input("width")
+        self.add_input("num_inference_steps")
+        self.add_output("latents")
+        self.add_output("latent_image_ids")
+        self.add_output("timesteps")
+
+    def load_model(self, model_path: str) -> dict[str, Any]:
+        from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
+
+        transformer_config = FluxTransformer2DModel.load_config(model_path, subfolder="transformer")
+        vae_config = AutoencoderKL.load_config(model_path, subfolder="vae")
+        return {
+            "num_channels_latents": int(transformer_config["in_channels"]) // 4,
+            "vae_scale_factor": _vae_scale_factor(vae_config),
+            "scheduler_config": FlowMatchEulerDiscreteScheduler.load_config(
+                model_path, subfolder="scheduler"
+            ),
+            # prepare_latents draws the noise in prompt_embeds.dtype, i.e. T5's.
+            "latents_dtype": _config_dtype(model_path, "text_encoder_2"),
+        }
+
+    def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
+        import torch
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        seed, steps = int(inputs["seed"]), int(inputs["num_inference_steps"])
+        height, width = _latent_size(inputs["height"], inputs["width"], components["vae_scale_factor"])
+        channels, dtype = components["num_channels_latents"], components["latents_dtype"]
+        with torch.no_grad():
+            # 4. prepare_latents: the request's only draw from its generator (randn_tensor with a
+            # CPU generator samples on the CPU).
+            generator = torch.Generator(device="cpu").manual_seed(seed)
+            noise = torch.randn((1, channels, height, width), generator=generator, device="cpu", dtype=dtype)
+            latents = _pack_latents(noise, height, width)
+            latent_image_ids = _latent_image_ids(height // 2, width // 2, dtype)
+            # 5. timesteps, on a scheduler of our own (the stateful one is never shared).
+            scheduler = FlowMatchEulerDiscreteScheduler.from_config(components["scheduler_config"])
+            _set_flux_timesteps(scheduler, steps, latents.shape[1], device="cpu")
+            timesteps = scheduler.timesteps
+        return {"latents": latents, "latent_image_ids": latent_image_ids, "timesteps": timesteps}
+
+
+class FluxTransformer(ModelFn):
+    """One denoising step of the Flux transformer: ``noise_pred`` shaped like ``latents``."""
+
+    fn_name = "flux.transformer"
+
+    def setup_io(self) -> None:
+        self.add_input("latents")
+        self.add_input("timesteps")
+        self.add_input("step")
+        self.add_input("guidance_scale")
+        self.add_input("prompt_embeds")
+        self.add_input("pooled_prompt_embeds")
+        self.add_input("text_ids")
+        self.add_input("latent_image_ids")
+        self.add_output("noise_pred")
+
+    def load_model(self, model_path: str) -> dict[str, Any]:
+        from diffusers import FluxTransformer2DModel
+
+        transformer = FluxTransformer2DModel.from_pretrained(model_path, subfolder="transformer")
+        return {"transformer": transformer.to(_device()).eval()}
+
+    def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
+        import torch
+
+        transformer = components["transformer"]
+        device = transformer.device
+        latents = inputs["latents"].to(device)
+        with torch.no_grad():
+            # handle guidance (before the loop in the pipeline; a pure function of guidance_scale)
+            guidance = None
+            if transformer.config.guidance_embeds:
+                guidance = torch.full(
+                    [1], float(inputs["guidance_scale"]), device=device, dtype=torch.float32
+                )
+                guidance = guidance.expand(latents.shape[0])
+            # 6. Denoising loop body: t = timesteps[i]; broadcast to the batch dimension.
+            t = inputs["timesteps"].to(device)[int(inputs["step"])]
+            timestep = t.expand(latents.shape[0]).to(latents.dtype)
+            with transformer.cache_context("cond"):
+                noise_pred = transformer(
+                    hidden_states=latents,
+                    timestep=timestep / 1000,
+                    guidance=guidance,
+                    pooled_projections=inputs["pooled_prompt_embeds"].to(device),
+                    encoder_hidden_states=inputs["prompt_embeds"].to(device),
+                    txt_ids=inputs["text_ids"].to(device),
+                    img_ids=inputs["latent_image_ids"].to(device),
+                    joint_attention_kwargs={},
+                    return_dict=False,
+                )[0]
+        return {"noise_pred": noise_pred}
+
+
+class FlowMatchEulerStep(ModelFn):
+    """One flow-matching Euler step, stateless: ``latents`` of step ``step + 1``."""
+
+    fn_name = "flux.flow_match_step"
+
+    def setup_io(self) -> None:
+        self.add_input("noise_pred")
+        self.add_input("latents")
+        self.add_input("timesteps")
+        self.add_input("step")
+        self.add_input("num_inference_steps")
+        self.add_output("latents")
+
+    def load_model(self, model_path: str) -> dict[str, Any]:
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        return {
+            "scheduler_config": FlowMatchEulerDiscreteScheduler.load_config(model_path, subfolder="scheduler")
+        }
+
+    def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
+        import torch
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        latents, noise_pred = inputs["latents"], inputs["noise_pred"]
+        noise_pred = noise_pred.to(latents.device)
+        step, steps = int(inputs["step"]), int(inputs["num_inference_steps"])
+        with torch.no_grad():
+            # A fresh scheduler in the state the pipeline's is in at iteration `step` (module docstring).
+            scheduler = FlowMatchEulerDiscreteScheduler.from_config(components["scheduler_config"])
+            _set_flux_timesteps(scheduler, steps, latents.shape[1], device=latents.device)
+            timesteps = inputs["timesteps"].to(latents.device)
+            if not torch.equal(scheduler.timesteps, timesteps):
+                raise ValueError(
+                    f"timesteps do not match a {steps}-step schedule for {latents.shape[1]} latent tokens"
+                )
+            scheduler.set_begin_index(step)
+            # compute the previous noisy sample x_t -> x_t-1
+            latents = scheduler.step(noise_pred, timesteps[step], latents, return_dict=False)[0]
+        return {"latents": latents}
+
+
+class FluxVaeDecode(ModelFn):
+    """Latents to pixels: ``image``, a uint8 [H, W, 3] tensor equal to ``np.array`` of the
+    pipeline's PIL image."""
+
+    fn_name = "flux.vae_decode"
+
+    def setup_io(self) -> None:
+        self.add_input("latents")
+        self.add_input("height")
+        self.add_input("width")
+        self.add_output("image")
+
+    def load_model(self, model_path: str) -> dict[str, Any]:
+        from diffusers import AutoencoderKL
+        from diffusers.image_processor import VaeImageProcessor
+
+        vae = AutoencoderKL.from_pretrained(model_path, subfolder="vae").to(_device()).eval()
+        vae_scale_factor = _vae_scale_factor(dict(vae.config))
+        return {
+            "vae": vae,
+            "vae_scale_factor": vae_scale_factor,
+            # FluxPipeline.__init__: packing doubles the effective scale factor
+            "image_processor": VaeImageProcessor(vae_scale_factor=vae_scale_factor * 2),
+        }
+
+    def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
+        import torch
+
+        vae, image_processor = components["vae"], components["image_processor"]
+        height, width = int(inputs["height"]), int(inputs["width"])
+        with torch.no_grad():
+            latents = _unpack_latents(inputs["latents"], height, width, components["vae_scale_factor"])
+            latents = (latents / vae.config.scaling_factor) + vae.config.shift_factor
+            image = vae.decode(latents.to(vae.device), return_dict=False)[0]
+            # postprocess(output_type="pil") is postprocess(output_type="np") then numpy_to_pil's
+            # (x * 255).round().astype("uint8"); we stop before building the PIL image.
+            array = image_processor.postprocess(image, output_type="np")
+            array = (array * 255).round().astype("uint8")
+        return {"image": torch.from_numpy(array[0].copy())}

@@ -1,0 +1,40 @@
+"""Every Redis key the platform writes, in one place (as arq keeps its prefixes together).
+
+| key | type | holds |
+|---|---|---|
+| ``{ns}:wf:index`` | hash | workflow name -> latest version |
+| ``{ns}:wf:{name}`` | hash | version -> spec JSON (immutable once written) |
+| ``{ns}:req:{request_id}`` | hash | request state: status, tenant, workflow, nodes done/total, result, error |
+| ``{ns}:tensors:{request_id}`` | hash | tensor id -> TensorMeta JSON of live intermediate tensors |
+| ``{ns}:vtime`` | hash | tenant -> cumulative vTime (GPU seconds) |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Keys:
+    ns: str
+
+    @property
+    def workflow_index(self) -> str:
+        return f"{self.ns}:wf:index"
+
+    def workflow(self, name: str) -> str:
+        return f"{self.ns}:wf:{name}"
+
+    def request(self, request_id: str) -> str:
+        return f"{self.ns}:req:{request_id}"
+
+    def tensors(self, request_id: str) -> str:
+        return f"{self.ns}:tensors:{request_id}"
+
+    @property
+    def vtime(self) -> str:
+        return f"{self.ns}:vtime"
+
+    def pattern(self) -> str:
+        """Matches every key of this namespace (tests delete them with it)."""
+        return f"{self.ns}:*"

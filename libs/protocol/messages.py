@@ -1,0 +1,247 @@
+"""Every message on the bus, as msgspec structs grouped into one tagged union per subject.
+
+Conventions (CONVENTIONS.md, msgspec's schema-evolution rules): new fields always get defaults;
+wire messages tolerate unknown fields so services of adjacent versions interoperate; tensor
+*metadata* travels in messages, tensor and image *bytes* never do (NATS' 1 MiB payload limit).
+Each subject's union is decoded by one ``Decoder`` built at import and dispatched with ``match``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from libs.dataplane.meta import TensorMeta
+
+Scalar = int | float | str | bool | None
+
+
+class _Msg(msgspec.Struct, tag_field="type", omit_defaults=True):
+    """Base of wire messages: tagged by ``type``; unknown fields are ignored."""
+
+
+# -- intake: gateway -> scheduler (JetStream work queue) ---------------------------------------
+class ImageRequest(_Msg, tag="image_request"):
+    """One image to generate: one DAG instance. A call with ``n`` images sends ``n`` of these."""
+
+    request_id: str
+    tenant: str
+    workflow: str
+    version: int
+    params: dict[str, Scalar]
+    submitted_at: float  # unix seconds, set by the gateway
+    timeout_s: float = 300.0
+
+
+IntakeMsg = ImageRequest
+
+
+# -- scheduler -> executor (request/reply on the executor's own subject) ----------------------
+class TensorInput(msgspec.Struct, tag="tensor", tag_field="kind", omit_defaults=True):
+    meta: TensorMeta
+
+
+class ConstInput(msgspec.Struct, tag="const", tag_field="kind", omit_defaults=True):
+    value: Scalar
+
+
+class OutputPlan(msgspec.Struct, omit_defaults=True):
+    """What to do with one output: keep it for ``consumers`` readers, and/or upload it as a PNG."""
+
+    name: str
+    consumers: int = 0
+    sink: str = ""  # object name in the images bucket ("" = not a workflow output)
+
+
+class Dispatch(_Msg, tag="dispatch"):
+    request_id: str
+    attempt: int
+    node_id: str
+    tenant: str
+    fn: str
+    model: str
+    inputs: dict[str, TensorInput | ConstInput]
+    outputs: list[OutputPlan]
+    callbacks: list[str] = []
+
+    @property
+    def key(self) -> str:
+        return node_key(self.request_id, self.attempt, self.node_id)
+
+
+class ReleaseTensors(_Msg, tag="release_tensors"):
+    """A consumer has read these tensors (one release per consuming edge)."""
+
+    tensor_ids: list[str]
+
+
+class ReleaseRequest(_Msg, tag="release_request"):
+    """Free the tensors of one attempt of a request (or of every attempt: ``attempt = -1``).
+
+    Sent when a request ends (a safety net: consumers release as they read), fails, or restarts.
+    """
+
+    request_id: str
+    attempt: int = -1
+
+
+class Ack(_Msg, tag="ack"):
+    ok: bool = True
+    error: str = ""
+    seq: int = 0  # the executor's heartbeat sequence number when it accepted the dispatch
+
+
+ExecutorMsg = Dispatch | ReleaseTensors | ReleaseRequest
+
+
+# -- executor -> scheduler (pub/sub events) ------------------------------------------------------
+class NodeTiming(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Seconds measured on the executor (GPU time on a GPU box: CUDA events)."""
+
+    load_s: float = 0.0  # loading the model (0 when it was already resident)
+    fetch_s: float = 0.0  # pulling inputs through the data plane
+    exec_s: float = 0.0  # the ModelFn's execute()
+    store_s: float = 0.0  # writing outputs into the arena / uploading sinks
+
+    @property
+    def total_s(self) -> float:
+        return self.load_s + self.fetch_s + self.exec_s + self.store_s
+
+
+class ImageRef(msgspec.Struct, frozen=True, omit_defaults=True):
+    """A PNG in the JetStream object store."""
+
+    bucket: str
+    name: str
+    nbytes: int
+    width: int
+    height: int
+
+
+class NodeComplete(_Msg, tag="node_complete"):
+    executor: str
+    request_id: str
+    attempt: int
+    node_id: str
+    outputs: dict[str, TensorMeta] = {}
+    sinks: dict[str, ImageRef] = {}
+    timing: NodeTiming = NodeTiming()
+    bytes_in: int = 0  # bytes pulled from other executors
+
+    @property
+    def key(self) -> str:
+        return node_key(self.request_id, self.attempt, self.node_id)
+
+
+class NodeFailed(_Msg, tag="node_failed"):
+    executor: str
+    request_id: str
+    attempt: int
+    node_id: str
+    error: str
+    retryable: bool = False
+
+    @property
+    def key(self) -> str:
+        return node_key(self.request_id, self.attempt, self.node_id)
+
+
+class ExecutorHeartbeat(_Msg, tag="heartbeat"):
+    """Registration and liveness in one: the first heartbeat registers an executor."""
+
+    executor: str
+    kind: str  # "cpu" | "cuda" | "sim"
+    transport: str
+    address: str
+    fns: list[str]  # ModelFn names this executor can run
+    resident: list[str] = []  # "fn|model" keys whose model is loaded
+    running: list[str] = []  # node keys in progress
+    arena_capacity: int = 0
+    arena_free: int = 0
+    started_at: float = 0.0
+    seq: int = 0
+    host: str = ""
+
+
+class ExecutorGoodbye(_Msg, tag="goodbye"):
+    executor: str
+
+
+SchedulerEvent = NodeComplete | NodeFailed | ExecutorHeartbeat | ExecutorGoodbye
+
+
+# -- scheduler -> gateway ------------------------------------------------------------------------
+class RequestResult(_Msg, tag="result"):
+    request_id: str
+    status: Literal["succeeded", "failed"]
+    images: dict[str, ImageRef] = {}
+    error: str = ""
+    error_code: str = ""  # "bad_params" | "workflow" | "timeout" | "internal"
+    nodes: int = 0
+    executors: list[str] = []  # executors that ran nodes of this request
+    bytes_moved: int = 0  # tensor bytes that crossed between executors
+    gpu_s: float = 0.0  # measured executor time charged to the request
+
+
+ResultMsg = RequestResult
+
+
+# -- registry (request/reply) ---------------------------------------------------------------------
+class RegisterWorkflow(_Msg, tag="register"):
+    spec: msgspec.Raw  # raw JSON so the registry can name the bad field itself
+    tenant: str = ""
+
+
+class GetWorkflow(_Msg, tag="get"):
+    name: str
+    version: int = 0  # 0 = latest
+
+
+class ListWorkflows(_Msg, tag="list"):
+    pass
+
+
+RegistryRequest = RegisterWorkflow | GetWorkflow | ListWorkflows
+
+
+class Problem(msgspec.Struct):
+    path: str
+    message: str
+
+
+class WorkflowSummary(msgspec.Struct):
+    name: str
+    version: int
+    description: str = ""
+    params: list[str] = []
+    sizes: list[str] = []
+
+
+class RegistryReply(_Msg, tag="registry_reply"):
+    ok: bool
+    spec: msgspec.Raw = msgspec.Raw()  # empty when there is no spec
+    workflows: list[WorkflowSummary] = []
+    error: str = ""
+    status: int = 200  # HTTP status the gateway should answer with
+    problems: list[Problem] = []
+    created: bool = False
+
+
+def node_key(request_id: str, attempt: int, node_id: str) -> str:
+    return f"{request_id}/{attempt}/{node_id}"
+
+
+def tensor_id(request_id: str, attempt: int, node_id: str, output: str) -> str:
+    return f"{request_id}/{attempt}/{node_id}/{output}"
+
+
+# Decoders, built once (msgspec's asyncio-kv example).
+intake_decoder = msgspec.json.Decoder(IntakeMsg)
+executor_decoder = msgspec.json.Decoder(ExecutorMsg)
+sched_decoder = msgspec.json.Decoder(SchedulerEvent)
+result_decoder = msgspec.json.Decoder(ResultMsg)
+registry_request_decoder = msgspec.json.Decoder(RegistryRequest)
+registry_reply_decoder = msgspec.json.Decoder(RegistryReply)
+ack_decoder = msgspec.json.Decoder(Ack)
+encode = msgspec.json.Encoder().encode

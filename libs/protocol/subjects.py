@@ -1,0 +1,58 @@
+"""Every NATS subject, stream and bucket name the platform uses, in one place.
+
+All names hang off a namespace (``T2I_NAMESPACE``), so test runs and deployments sharing a NATS
+server never see each other's traffic.
+
+| name | kind | carries |
+|---|---|---|
+| ``{ns}.intake`` | JetStream work queue ``{NS}_INTAKE`` | ``ImageRequest`` gateway -> scheduler |
+| ``{ns}.registry.{register,get,list}`` | request/reply | ``RegistryRequest`` -> ``RegistryReply`` |
+| ``{ns}.exec.{executor_id}`` | request/reply | ``Dispatch``, ``ReleaseTensors``, ``ReleaseRequest`` -> ``Ack`` |
+| ``{ns}.exec.all`` | pub/sub | ``ReleaseRequest`` broadcast (request failed or restarted) |
+| ``{ns}.sched.events`` | pub/sub | ``NodeComplete``, ``NodeFailed``, ``ExecutorHeartbeat``, ``ExecutorGoodbye`` |
+| ``{ns}.results.{request_id}`` | pub/sub | ``RequestResult`` scheduler -> gateway |
+| ``{ns}-images`` | JetStream object store | PNGs (images exceed NATS' 1 MiB payload limit) |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Subjects:
+    ns: str
+
+    @property
+    def intake(self) -> str:
+        return f"{self.ns}.intake"
+
+    @property
+    def intake_stream(self) -> str:
+        # Stream names may not contain '.', '*', '>' or spaces.
+        return f"{self.ns.upper().replace('-', '_')}_INTAKE"
+
+    @property
+    def intake_durable(self) -> str:
+        return "scheduler"
+
+    def registry(self, op: str) -> str:
+        return f"{self.ns}.registry.{op}"
+
+    def executor(self, executor_id: str) -> str:
+        return f"{self.ns}.exec.{executor_id}"
+
+    @property
+    def executors_all(self) -> str:
+        return f"{self.ns}.exec.all"
+
+    @property
+    def sched_events(self) -> str:
+        return f"{self.ns}.sched.events"
+
+    def result(self, request_id: str) -> str:
+        return f"{self.ns}.results.{request_id}"
+
+    @property
+    def images_bucket(self) -> str:
+        return f"{self.ns}-images"

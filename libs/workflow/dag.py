@@ -1,0 +1,156 @@
+"""Unrolling a validated spec into one request's DAG (paper §4, "Life of a Request").
+
+Loops are unrolled by their count (the request's step count), so every iteration's call is its
+own node: ``transformer@0``, ``transformer@1``, ... (nested loops: ``x@1.0``). Parameters and loop
+indices become constants; references to outputs become tensor edges. The result is plain data that
+the scheduler's state machine tracks; it does no I/O and needs no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from libs.workflow.errors import ParamError
+from libs.workflow.spec import REF_PARAM, REF_VAR, LoopSpec, NodeSpec, Op, Scalar, WorkflowSpec
+
+MAX_NODES = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSource:
+    """An edge: the tensor ``output`` of DAG node ``node``."""
+
+    node: str
+    output: str
+
+
+@dataclass(frozen=True, slots=True)
+class Const:
+    value: Scalar
+
+
+Source = TensorSource | Const
+
+
+@dataclass(slots=True)
+class DagNode:
+    id: str
+    fn: str
+    model: str
+    inputs: dict[str, Source]
+    callbacks: frozenset[str]
+    outputs: tuple[str, ...]
+    deps: frozenset[str]  # ids of the nodes whose outputs this node reads
+    order: int  # position in a topological order of the whole DAG
+
+
+@dataclass
+class Dag:
+    nodes: dict[str, DagNode]  # in topological order
+    outputs: dict[str, TensorSource]  # workflow output name -> the tensor holding it
+    consumers: dict[TensorSource, int] = field(default_factory=dict)  # readers per tensor (edges)
+    successors: dict[str, list[str]] = field(default_factory=dict)
+
+    def roots(self) -> list[str]:
+        return [n.id for n in self.nodes.values() if not n.deps]
+
+
+def unroll(
+    spec: WorkflowSpec,
+    params: Mapping[str, Scalar],
+    callbacks: Mapping[str, frozenset[str]] | None = None,
+    outputs_of: Mapping[str, tuple[str, ...]] | None = None,
+) -> Dag:
+    """Build the DAG of one request. ``spec`` must be validated; ``params`` resolved.
+
+    ``callbacks`` maps a ModelFn name to its callback inputs and ``outputs_of`` to its declared
+    outputs (from the catalog signatures); without ``outputs_of`` a node's outputs are those that
+    something reads.
+    """
+    callbacks = callbacks or {}
+    nodes: list[DagNode] = []
+    read: dict[str, set[str]] = {}
+
+    def run(ops: list[Op], env: dict[str, Source], suffix: str, outer: dict[str, object]) -> dict[str, object]:
+        # names: op id -> unrolled node id (nodes) or {var: Source} (loops), visible in this body.
+        names: dict[str, object] = dict(outer)
+        for op in ops:
+            if isinstance(op, NodeSpec):
+                node_id = op.id + suffix
+                inputs: dict[str, Source] = {}
+                for name, ref in op.inputs.items():
+                    inputs[name] = resolve(ref, env, names)
+                for name, c in op.consts.items():
+                    inputs[name] = Const(c)
+                for src in inputs.values():
+                    if isinstance(src, TensorSource):
+                        read.setdefault(src.node, set()).add(src.output)
+                deps = frozenset(s.node for s in inputs.values() if isinstance(s, TensorSource))
+                outs = tuple(outputs_of[op.fn]) if outputs_of and op.fn in outputs_of else ()
+                nodes.append(
+                    DagNode(
+                        id=node_id,
+                        fn=op.fn,
+                        model=op.model,
+                        inputs=inputs,
+                        callbacks=frozenset(callbacks.get(op.fn, frozenset())) & frozenset(inputs),
+                        outputs=outs,
+                        deps=deps,
+                        order=len(nodes),
+                    )
+                )
+                if len(nodes) > MAX_NODES:
+                    raise ParamError("num_inference_steps", f"the request unrolls to more than {MAX_NODES} nodes")
+                names[op.id] = node_id
+            else:
+                names[op.id] = run_loop(op, env, suffix, names)
+        return names
+
+    def resolve(ref: str, env: dict[str, Source], names: dict[str, object]) -> Source:
+        if ref.startswith(REF_PARAM):
+            return Const(params[ref[len(REF_PARAM) :]])
+        if ref.startswith(REF_VAR):
+            return env[ref[len(REF_VAR) :]]
+        op_id, out = ref.split(".", 1)
+        target = names[op_id]
+        if isinstance(target, dict):  # a loop: its final carried value
+            return target[out]
+        return TensorSource(str(target), out)
+
+    def run_loop(op: LoopSpec, env: dict[str, Source], suffix: str, names: dict[str, object]) -> dict[str, Source]:
+        if isinstance(op.count, int):
+            count = op.count
+        else:
+            pname = op.count[len(REF_PARAM) :]
+            count = params[pname]  # type: ignore[assignment]
+            if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+                raise ParamError(pname, f"must be an integer of at least 1 (it counts loop {op.id!r})")
+        carried = {name: resolve(ref, env, names) for name, ref in op.carry.items()}
+        for i in range(count):
+            inner_env = {**env, op.index: Const(i), **carried}
+            inner_suffix = f"{suffix}.{i}" if suffix else f"@{i}"
+            inner_names = run(op.body, inner_env, inner_suffix, names)
+            carried = {name: resolve(ref, inner_env, inner_names) for name, ref in op.update.items()}
+        return carried
+
+    top = run(spec.body, {}, "", {})
+    outputs: dict[str, TensorSource] = {}
+    for name, ref in spec.outputs.items():
+        src = resolve(ref, {}, top)
+        assert isinstance(src, TensorSource), "validated specs only output tensors"
+        outputs[name] = src
+        read.setdefault(src.node, set()).add(src.output)
+
+    consumers: dict[TensorSource, int] = {}
+    successors: dict[str, list[str]] = {n.id: [] for n in nodes}
+    for n in nodes:
+        for src in n.inputs.values():
+            if isinstance(src, TensorSource):
+                consumers[src] = consumers.get(src, 0) + 1
+        for d in n.deps:
+            successors[d].append(n.id)
+    if not outputs_of:
+        for n in nodes:
+            n.outputs = tuple(sorted(read.get(n.id, ())))
+    return Dag(nodes={n.id: n for n in nodes}, outputs=outputs, consumers=consumers, successors=successors)

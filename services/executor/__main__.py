@@ -1,0 +1,92 @@
+"""``python -m services.executor``: one executor process (one accelerator)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import socket
+import time
+from pathlib import Path
+
+from libs.common.config import load_config
+from libs.common.jetstream import ensure_images_bucket
+from libs.common.logs import setup_logging
+from libs.common.nats_conn import connect
+from libs.common.runner import run_service
+from libs.common.settings import common_settings
+from libs.protocol.subjects import Subjects
+from services.executor.config import ExecutorConfig
+
+
+def _safe_id(raw: str) -> str:
+    # The id is a NATS subject token and part of a shared-memory segment name.
+    return re.sub(r"[^A-Za-z0-9_-]", "-", raw)[:64]
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(n - 1, 1).bit_length()
+
+
+async def main() -> None:
+    common = common_settings()
+    cfg = load_config(ExecutorConfig, "T2I_EXECUTOR_")
+    executor_id = _safe_id(cfg.id or f"exec-{socket.gethostname()}-{os.getpid()}")
+    log = setup_logging(f"executor[{executor_id}]", common.log_level)
+    t0 = time.perf_counter()
+    import torch  # heavy: after logging is up, so the start-up cost is visible
+
+    from libs.dataplane.store import TensorStore
+    from libs.dataplane.transport import make_transport
+    from libs.workflow import catalog
+    from services.executor.runtime import ModelCache, NodeRunner
+    from services.executor.service import ExecutorService
+
+    torch.set_num_threads(cfg.threads)
+    os.environ.setdefault("T2I_DEVICE", cfg.device)
+    transport = make_transport(
+        cfg.transport,
+        namespace=common.namespace,
+        executor_id=executor_id,
+        capacity=_pow2_at_least(cfg.arena_mb << 20),
+        host=cfg.host,
+    )
+    store = TensorStore(executor_id, transport, alloc_timeout=cfg.alloc_timeout_s)
+    runner = NodeRunner(store, ModelCache(Path(cfg.model_root), cfg.device), cfg.device)
+    fns = catalog.names()
+    nc = await connect(common.nats_url, f"executor-{executor_id}")
+    subjects = Subjects(common.namespace)
+    images = await ensure_images_bucket(nc.jetstream(), subjects)
+    kind = "cuda" if cfg.device.startswith("cuda") else "cpu"
+    service = ExecutorService(
+        executor_id=executor_id,
+        kind=kind,
+        nc=nc,
+        subjects=subjects,
+        store=store,
+        runner=runner,
+        images=images,
+        fns=fns,
+        heartbeat_s=cfg.heartbeat_s,
+    )
+    await service.start()
+    log.info(
+        "executor ready in %.1fs: %s, %d threads, %s arena of %d MiB at %s",
+        time.perf_counter() - t0,
+        cfg.device,
+        cfg.threads,
+        transport.kind,
+        transport.arena.capacity >> 20,
+        transport.address,
+    )
+    try:
+        await run_service(service.heartbeat_loop())
+    finally:
+        await service.stop()
+        await nc.drain()
+        del runner, store
+        transport.close()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

@@ -1,0 +1,17 @@
+"""Executor settings (``T2I_EXECUTOR_*``), with the defaults a CPU box uses."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class ExecutorConfig(msgspec.Struct, forbid_unknown_fields=True):
+    id: str = ""  # default: exec-<host>-<pid>
+    device: str = "cpu"  # "cpu", "cuda", "cuda:1"
+    threads: int = 1  # torch intra-op threads; pinned because the thread count changes the bits
+    arena_mb: int = 256  # data-plane arena (rounded up to a power of two)
+    model_root: str = "models"  # where model names in specs are looked up
+    transport: str = "shm"  # "shm" (one host) or "tcp" (across hosts/containers)
+    host: str = "127.0.0.1"  # address the tcp transport binds and advertises
+    heartbeat_s: float = 1.0
+    alloc_timeout_s: float = 30.0  # how long a full arena makes an output wait before failing

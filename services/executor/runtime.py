@@ -1,0 +1,223 @@
+"""Running one node on this executor: load the model once, pull inputs, execute, store outputs.
+
+This is the torch side of the executor; it runs in the executor's single worker thread so the
+asyncio loop stays free for heartbeats and releases. Everything a node needs arrives in its
+``Dispatch``: constants, and tensor metadata that the data plane turns into tensors (a zero-copy
+view when the producer was this executor, a one-sided pull into our arena otherwise, §5.2).
+Inputs declared ``callback=True`` arrive as :class:`~libs.workflow.modelfn.Deferred` and are pulled
+only when ``execute`` reaches the point that needs them.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from libs.dataplane.errors import DataPlaneError
+from libs.dataplane.meta import TensorMeta, check_meta
+from libs.dataplane.store import TensorStore
+from libs.protocol.messages import ConstInput, Dispatch, NodeTiming, tensor_id
+from libs.workflow import catalog
+from libs.workflow.modelfn import Deferred, ModelFn
+
+log = logging.getLogger(__name__)
+
+
+class NodeError(Exception):
+    """A node failed; ``retryable`` says whether running it again (anywhere) can help."""
+
+    def __init__(self, message: str, retryable: bool = False) -> None:
+        super().__init__(message)
+        self.retryable = retryable
+
+
+@dataclass
+class Png:
+    data: bytes
+    width: int
+    height: int
+
+
+@dataclass
+class NodeOutcome:
+    outputs: dict[str, TensorMeta]
+    pngs: dict[str, Png]
+    timing: NodeTiming
+    bytes_in: int
+    reads: list[TensorMeta] = field(default_factory=list)  # inputs to release at their producers
+
+
+def resolve_model_path(model: str, root: Path) -> str:
+    """A spec's model reference -> what ``from_pretrained`` gets.
+
+    Absolute paths are used as they are; a name found under the model root (``T2I_EXECUTOR_MODEL_ROOT``)
+    is that folder; anything else is passed through (a Hub id on a machine that can reach a hub).
+    """
+    if not model or os.path.isabs(model):
+        return model
+    local = root / model
+    return str(local) if local.exists() else model
+
+
+class ModelCache:
+    """ModelFn instances and their loaded components, kept for the executor's lifetime."""
+
+    def __init__(self, root: Path, device: str) -> None:
+        self.root = root
+        self.device = device
+        self._fns: dict[str, ModelFn] = {}
+        self._components: dict[str, dict[str, Any]] = {}
+        self._lock = threading.Lock()
+
+    def fn(self, name: str) -> ModelFn:
+        inst = self._fns.get(name)
+        if inst is None:
+            try:
+                inst = catalog.load_class(name)()
+            except catalog.UnknownModelFn as e:
+                raise NodeError(str(e)) from None
+            self._fns[name] = inst
+        return inst
+
+    def components(self, fn: str, model: str) -> tuple[dict[str, Any], float]:
+        """The loaded components of ``fn`` for ``model`` and the seconds spent loading (0 if resident)."""
+        key = f"{fn}|{model}"
+        comps = self._components.get(key)
+        if comps is not None:
+            return comps, 0.0
+        inst = self.fn(fn)
+        path = resolve_model_path(model, self.root)
+        t0 = time.perf_counter()
+        try:
+            comps = inst.load_model(path)
+        except (OSError, ValueError) as e:
+            raise NodeError(f"{fn} cannot load model {model!r} (from {path!r}): {e}") from e
+        load_s = time.perf_counter() - t0
+        with self._lock:
+            self._components[key] = comps
+        log.info("loaded %s in %.2fs", key, load_s)
+        return comps, load_s
+
+    def resident(self) -> list[str]:
+        with self._lock:
+            return sorted(self._components)
+
+
+def encode_png(image: torch.Tensor) -> Png:
+    """A uint8 [H, W, 3] (or [1, H, W, 3]) tensor -> PNG bytes."""
+    from PIL import Image
+
+    if image.dim() == 4 and image.shape[0] == 1:
+        image = image[0]
+    if image.dtype != torch.uint8 or image.dim() != 3 or image.shape[-1] not in (1, 3, 4):
+        raise NodeError(f"a workflow image output must be uint8 [H, W, 3], got {image.dtype} {list(image.shape)}")
+    arr = image.detach().cpu().contiguous().numpy()
+    if arr.shape[-1] == 1:
+        arr = arr[..., 0]
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, format="PNG")
+    return Png(buf.getvalue(), width=arr.shape[1], height=arr.shape[0])
+
+
+class NodeRunner:
+    """Runs dispatched nodes; not thread-safe: one node at a time, in one worker thread."""
+
+    def __init__(self, store: TensorStore, models: ModelCache, device: str = "cpu") -> None:
+        self.store = store
+        self.models = models
+        self.device = torch.device(device)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def run(self, d: Dispatch) -> NodeOutcome:
+        fn = self.models.fn(d.fn)
+        declared = fn.inputs
+        missing = [n for n in declared if n not in d.inputs]
+        unknown = [n for n in d.inputs if n not in declared]
+        if missing or unknown:
+            raise NodeError(f"{d.fn} got inputs {sorted(d.inputs)}, declares {sorted(declared)}")
+        components, load_s = self.models.components(d.fn, d.model)
+
+        leases: list[Any] = []
+        reads: list[TensorMeta] = []
+        fetch = {"s": 0.0, "bytes": 0}
+
+        def pull(meta: TensorMeta) -> torch.Tensor:
+            t0 = time.perf_counter()
+            try:
+                lease = self.store.open(check_meta(meta))
+            except DataPlaneError as e:
+                raise NodeError(f"input {meta.tensor_id}: {e}", retryable=e.retryable) from e
+            leases.append(lease)
+            tensor = lease.tensor
+            if tensor.device != self.device:
+                tensor = tensor.to(self.device, non_blocking=False)
+            fetch["s"] += time.perf_counter() - t0
+            if meta.executor != self.store.executor_id:
+                fetch["bytes"] += meta.nbytes
+            return tensor
+
+        inputs: dict[str, Any] = {}
+        try:
+            for name, inp in d.inputs.items():
+                if isinstance(inp, ConstInput):
+                    inputs[name] = inp.value
+                    continue
+                reads.append(inp.meta)
+                if declared[name]:  # callback input: fetched when execute reaches it (§5.2)
+                    meta = inp.meta
+                    inputs[name] = Deferred(name, lambda meta=meta: pull(meta))
+                else:
+                    inputs[name] = pull(inp.meta)
+            fetch_s_before = fetch["s"]
+            self._sync()
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                outs = fn.execute(components, **inputs)
+            self._sync()
+            # Callback fetches happen inside execute; count them as transfer, not compute.
+            exec_s = time.perf_counter() - t0 - (fetch["s"] - fetch_s_before)
+        except NodeError:
+            raise
+        except torch.OutOfMemoryError as e:
+            raise NodeError(f"{d.fn} ran out of memory: {e}", retryable=True) from e
+        except Exception as e:  # noqa: BLE001 - a ModelFn bug fails the node, not the executor
+            raise NodeError(f"{d.fn}.execute raised {type(e).__name__}: {e}") from e
+        finally:
+            inputs.clear()
+
+        if not isinstance(outs, dict):
+            raise NodeError(f"{d.fn}.execute returned {type(outs).__name__}, not a dict of outputs")
+        t0 = time.perf_counter()
+        group = f"{d.request_id}/{d.attempt}"
+        metas: dict[str, TensorMeta] = {}
+        pngs: dict[str, Png] = {}
+        for plan in d.outputs:
+            value = outs.get(plan.name)
+            if not isinstance(value, torch.Tensor):
+                raise NodeError(f"{d.fn}.execute returned no tensor for output {plan.name!r}")
+            if plan.consumers > 0:
+                tid = tensor_id(d.request_id, d.attempt, d.node_id, plan.name)
+                self.store.release(tid, count=1 << 30)  # a retried node replaces its earlier output
+                try:
+                    metas[plan.name] = self.store.put(tid, value, consumers=plan.consumers, group=group)
+                except DataPlaneError as e:
+                    raise NodeError(f"storing {plan.name}: {e}", retryable=e.retryable) from e
+            if plan.sink:
+                pngs[plan.name] = encode_png(value)
+        store_s = time.perf_counter() - t0
+        for lease in leases:
+            lease.close()
+        leases.clear()
+        timing = NodeTiming(load_s=load_s, fetch_s=fetch["s"], exec_s=max(exec_s, 0.0), store_s=store_s)
+        return NodeOutcome(outputs=metas, pngs=pngs, timing=timing, bytes_in=fetch["bytes"], reads=reads)

@@ -1,0 +1,217 @@
+"""The executor service: registers and heartbeats, runs dispatched nodes, serves the data plane.
+
+One executor owns one accelerator (here: the CPU with a pinned thread count) and runs one node at
+a time in a worker thread; the asyncio loop answers dispatches, releases and heartbeats meanwhile.
+A dispatch is accepted with an ``Ack`` carrying the heartbeat sequence number, so the scheduler
+can tell a lost completion from a slow one. After a node succeeds the executor uploads workflow
+images to the object store, tells producers it has read their tensors (they free them at the last
+reader, §5.2), and publishes ``NodeComplete`` with output metadata and measured times.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+
+import msgspec
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js.object_store import ObjectStore
+
+from libs.dataplane.store import TensorStore
+from libs.protocol.messages import (
+    Ack,
+    Dispatch,
+    ExecutorGoodbye,
+    ExecutorHeartbeat,
+    ImageRef,
+    NodeComplete,
+    NodeFailed,
+    ReleaseRequest,
+    ReleaseTensors,
+    encode,
+    executor_decoder,
+)
+from libs.protocol.subjects import Subjects
+from services.executor.runtime import NodeError, NodeOutcome, NodeRunner
+
+log = logging.getLogger(__name__)
+
+
+class ExecutorService:
+    def __init__(
+        self,
+        *,
+        executor_id: str,
+        kind: str,
+        nc: Client,
+        subjects: Subjects,
+        store: TensorStore,
+        runner: NodeRunner,
+        images: ObjectStore,
+        fns: list[str],
+        heartbeat_s: float = 1.0,
+    ) -> None:
+        self.id = executor_id
+        self.kind = kind
+        self.nc = nc
+        self.subjects = subjects
+        self.store = store
+        self.runner = runner
+        self.images = images
+        self.fns = fns
+        self.heartbeat_s = heartbeat_s
+        self.seq = 0
+        self.current: str | None = None  # node key being run
+        self.started_at = time.time()
+        self.nodes_run = 0
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="node")
+        self._attempts: dict[str, set[int]] = defaultdict(set)  # request id -> attempts with tensors here
+        self._subs: list = []
+        self._tasks: set[asyncio.Task] = set()
+        self._closed = False
+
+    # -- lifecycle ------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._subs.append(await self.nc.subscribe(self.subjects.executor(self.id), cb=self._on_msg))
+        self._subs.append(await self.nc.subscribe(self.subjects.executors_all, cb=self._on_msg))
+        await self.heartbeat()
+
+    async def heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_s)
+            try:
+                await self.heartbeat()
+            except Exception as e:  # noqa: BLE001 - a missed beat is retried next tick
+                log.warning("heartbeat failed: %s", e)
+
+    async def heartbeat(self) -> None:
+        self.seq += 1
+        stats = self.store.stats()
+        hb = ExecutorHeartbeat(
+            executor=self.id,
+            kind=self.kind,
+            transport=self.store.transport.kind,
+            address=self.store.transport.address,
+            fns=self.fns,
+            resident=self.runner.models.resident(),
+            running=[self.current] if self.current else [],
+            arena_capacity=int(stats["capacity"]),
+            arena_free=int(stats["free"]),
+            started_at=self.started_at,
+            seq=self.seq,
+            host=socket.gethostname(),
+        )
+        await self.nc.publish(self.subjects.sched_events, encode(hb))
+
+    async def stop(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for sub in self._subs:
+            try:
+                await sub.unsubscribe()
+            except Exception:  # noqa: BLE001 - connection may be gone already
+                pass
+        try:
+            await self.nc.publish(self.subjects.sched_events, encode(ExecutorGoodbye(self.id)))
+            await self.nc.flush(timeout=2)
+        except Exception:  # noqa: BLE001
+            pass
+        for t in list(self._tasks):
+            t.cancel()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    # -- messages -------------------------------------------------------------------------------------
+    async def _on_msg(self, msg: Msg) -> None:
+        try:
+            m = executor_decoder.decode(msg.data)
+        except msgspec.ValidationError as e:
+            log.warning("dropped a malformed message on %s: %s", msg.subject, e)
+            if msg.reply:
+                await msg.respond(encode(Ack(ok=False, error=f"malformed message: {e}")))
+            return
+        match m:
+            case Dispatch():
+                await self._accept(m, msg)
+            case ReleaseTensors(tensor_ids=ids):
+                for tid in ids:
+                    self.store.release(tid)
+            case ReleaseRequest(request_id=rid, attempt=attempt):
+                attempts = list(self._attempts.get(rid, ())) if attempt < 0 else [attempt]
+                freed = sum(self.store.release_group(f"{rid}/{a}") for a in attempts)
+                for a in attempts:
+                    self._attempts[rid].discard(a)
+                if not self._attempts.get(rid):
+                    self._attempts.pop(rid, None)
+                if freed:
+                    log.debug("released %d tensors of %s", freed, rid)
+
+    async def _accept(self, d: Dispatch, msg: Msg) -> None:
+        if self.current is not None or self._closed:
+            await msg.respond(encode(Ack(ok=False, error=f"busy with {self.current}", seq=self.seq)))
+            return
+        self.current = d.key
+        await msg.respond(encode(Ack(ok=True, seq=self.seq)))
+        task = asyncio.create_task(self._run(d))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _run(self, d: Dispatch) -> None:
+        loop = asyncio.get_running_loop()
+        self._attempts[d.request_id].add(d.attempt)
+        try:
+            outcome: NodeOutcome = await loop.run_in_executor(self._pool, self.runner.run, d)
+            sinks = await self._upload(d, outcome)
+        except NodeError as e:
+            log.warning("node %s failed: %s", d.key, e)
+            await self._finish(NodeFailed(self.id, d.request_id, d.attempt, d.node_id, str(e), e.retryable))
+            return
+        except Exception as e:  # noqa: BLE001 - never let one node take the executor down
+            log.exception("node %s crashed", d.key)
+            await self._finish(NodeFailed(self.id, d.request_id, d.attempt, d.node_id, f"executor error: {e}", True))
+            return
+        await self._release_inputs(outcome)
+        self.nodes_run += 1
+        await self._finish(
+            NodeComplete(
+                executor=self.id,
+                request_id=d.request_id,
+                attempt=d.attempt,
+                node_id=d.node_id,
+                outputs=outcome.outputs,
+                sinks=sinks,
+                timing=outcome.timing,
+                bytes_in=outcome.bytes_in,
+            )
+        )
+
+    async def _finish(self, event: NodeComplete | NodeFailed) -> None:
+        self.current = None
+        await self.nc.publish(self.subjects.sched_events, encode(event))
+
+    async def _upload(self, d: Dispatch, outcome: NodeOutcome) -> dict[str, ImageRef]:
+        sinks: dict[str, ImageRef] = {}
+        by_name = {p.name: p for p in d.outputs}
+        for name, png in outcome.pngs.items():
+            t0 = time.perf_counter()
+            obj = by_name[name].sink
+            await self.images.put(obj, png.data)
+            sinks[name] = ImageRef(self.images._name, obj, len(png.data), png.width, png.height)  # noqa: SLF001
+            log.debug("uploaded %s (%d bytes) in %.3fs", obj, len(png.data), time.perf_counter() - t0)
+        return sinks
+
+    async def _release_inputs(self, outcome: NodeOutcome) -> None:
+        """One release per input edge, to the producer (ourselves: directly)."""
+        remote: dict[str, list[str]] = defaultdict(list)
+        for meta in outcome.reads:
+            if meta.executor == self.id:
+                self.store.release(meta.tensor_id)
+            else:
+                remote[meta.executor].append(meta.tensor_id)
+        for producer, ids in remote.items():
+            await self.nc.publish(self.subjects.executor(producer), encode(ReleaseTensors(ids)))

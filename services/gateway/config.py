@@ -1,0 +1,20 @@
+"""Gateway settings (``T2I_GATEWAY_*``)."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class GatewayConfig(msgspec.Struct, forbid_unknown_fields=True):
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # API keys: "key=tenant" pairs separated by commas; ":admin" after the tenant grants the
+    # admin routes (workflow registration), e.g. "sk-alice=alice,sk-ops=ops:admin".
+    api_keys: str = ""
+    # Or a JSON file {"<key>": {"tenant": "alice", "admin": false}, ...}; both may be given.
+    api_keys_file: str = ""
+    request_timeout_s: float = 300.0  # an image that takes longer answers 504
+    max_n: int = 8  # images per call
+    max_inflight: int = 256  # image calls in progress before answering 429
+    max_body_mb: float = 8.0
+    public_url: str = ""  # base of image URLs for response_format "url" (default: from the request)

@@ -1,0 +1,109 @@
+"""The registry service: validates, versions and serves workflow specs over NATS request/reply.
+
+Subjects ``{ns}.registry.register|get|list``; replicas share a queue group, so the registry
+scales like any other service. Every request is decoded against the typed union; a malformed or
+invalid one gets an error reply naming the field and never disturbs other requests.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import msgspec
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from libs.protocol.messages import (
+    GetWorkflow,
+    ListWorkflows,
+    Problem,
+    RegisterWorkflow,
+    RegistryReply,
+    encode,
+    registry_request_decoder,
+)
+from libs.protocol.subjects import Subjects
+from libs.workflow.errors import SpecError
+from libs.workflow.modelfn import Signature
+from libs.workflow.spec import decode_spec, encode_spec
+from libs.workflow.validate import validate_spec
+from services.registry.store import WorkflowStore
+
+log = logging.getLogger(__name__)
+
+
+class RegistryService:
+    def __init__(self, nc: Client, store: WorkflowStore, catalog: dict[str, Signature], subjects: Subjects) -> None:
+        self.nc = nc
+        self.store = store
+        self.catalog = catalog
+        self.subjects = subjects
+        self._subs: list = []
+
+    async def start(self) -> None:
+        for op in ("register", "get", "list"):
+            self._subs.append(await self.nc.subscribe(self.subjects.registry(op), queue="registry", cb=self._on_msg))
+        log.info("registry serving %d ModelFns: %s", len(self.catalog), ", ".join(sorted(self.catalog)))
+
+    async def stop(self) -> None:
+        for sub in self._subs:
+            try:
+                await sub.unsubscribe()
+            except Exception:  # noqa: BLE001 - the connection may already be closed
+                pass
+        self._subs.clear()
+
+    async def _on_msg(self, msg: Msg) -> None:
+        try:
+            reply = await self.handle(msg.data)
+        except Exception as e:  # noqa: BLE001 - a bug in one request must not kill the service
+            log.exception("registry request failed")
+            reply = RegistryReply(ok=False, error=f"internal error: {e}", status=500)
+        if msg.reply:
+            await msg.respond(encode(reply))
+
+    async def handle(self, data: bytes) -> RegistryReply:
+        try:
+            req = registry_request_decoder.decode(data)
+        except msgspec.ValidationError as e:
+            return RegistryReply(ok=False, error=f"bad registry request: {e}", status=400)
+        match req:
+            case RegisterWorkflow(spec=raw):
+                return await self.register(bytes(raw))
+            case GetWorkflow(name=name, version=version):
+                spec = await self.store.get(name, version)
+                if spec is None:
+                    what = f"version {version} of workflow" if version else "workflow"
+                    return RegistryReply(ok=False, error=f"{what} {name!r} not found", status=404)
+                return RegistryReply(ok=True, spec=msgspec.Raw(encode_spec(spec)))
+            case ListWorkflows():
+                return RegistryReply(ok=True, workflows=await self.store.list())
+        return RegistryReply(ok=False, error="unhandled request", status=400)  # pragma: no cover
+
+    async def register(self, raw: bytes) -> RegistryReply:
+        try:
+            spec = decode_spec(raw)
+        except msgspec.ValidationError as e:
+            path = _path_of(str(e))
+            return RegistryReply(ok=False, error=f"invalid spec: {e}", status=422, problems=[Problem(path, str(e))])
+        except msgspec.DecodeError as e:
+            return RegistryReply(ok=False, error=f"spec is not JSON: {e}", status=400)
+        try:
+            normal = validate_spec(spec, self.catalog)
+        except SpecError as e:
+            return RegistryReply(
+                ok=False,
+                error=f"invalid spec: {e}",
+                status=422,
+                problems=[Problem(p.path, p.message) for p in e.problems],
+            )
+        stored, created = await self.store.put(normal)
+        log.info("workflow %s v%d %s", stored.name, stored.version, "registered" if created else "unchanged")
+        return RegistryReply(ok=True, spec=msgspec.Raw(encode_spec(stored)), created=created, status=201 if created else 200)
+
+
+def _path_of(message: str) -> str:
+    # msgspec says "... - at `$.body[0].fn`"; turn that into "body[0].fn".
+    if "at `$" in message:
+        return message.rsplit("at `$", 1)[1].rstrip("`").lstrip(".") or "spec"
+    return "spec"

@@ -1,0 +1,70 @@
+"""Versioned workflow specs in Redis.
+
+Versions are immutable: registering a spec that differs from the latest version stores it as
+latest + 1; registering the same spec again returns the existing version (idempotent clients).
+Both happen in one Lua script, so concurrent registrations never assign a version twice.
+"""
+
+from __future__ import annotations
+
+import msgspec
+from redis.asyncio import Redis
+
+from libs.protocol.keys import Keys
+from libs.protocol.messages import WorkflowSummary
+from libs.workflow.spec import WorkflowSpec, decode_spec
+
+# KEYS[1] = index hash (name -> latest), KEYS[2] = the workflow's hash (version -> spec JSON)
+# ARGV[1] = name, ARGV[2] = canonical spec JSON (version 0). Returns {version, created}.
+_PUT = """
+local latest = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '0')
+if latest > 0 and redis.call('HGET', KEYS[2], tostring(latest)) == ARGV[2] then
+  return {latest, 0}
+end
+local v = latest + 1
+redis.call('HSET', KEYS[2], tostring(v), ARGV[2])
+redis.call('HSET', KEYS[1], ARGV[1], tostring(v))
+return {v, 1}
+"""
+
+
+class WorkflowStore:
+    def __init__(self, redis: Redis, keys: Keys) -> None:
+        self.redis = redis
+        self.keys = keys
+        self._put = redis.register_script(_PUT)
+
+    async def put(self, spec: WorkflowSpec) -> tuple[WorkflowSpec, bool]:
+        canonical = msgspec.json.encode(msgspec.structs.replace(spec, version=0), order="deterministic")
+        version, created = await self._put(
+            keys=[self.keys.workflow_index, self.keys.workflow(spec.name)], args=[spec.name, canonical]
+        )
+        return msgspec.structs.replace(spec, version=int(version)), bool(created)
+
+    async def get(self, name: str, version: int = 0) -> WorkflowSpec | None:
+        if version <= 0:
+            latest = await self.redis.hget(self.keys.workflow_index, name)
+            if latest is None:
+                return None
+            version = int(latest)
+        raw = await self.redis.hget(self.keys.workflow(name), str(version))
+        if raw is None:
+            return None
+        return msgspec.structs.replace(decode_spec(raw), version=version)
+
+    async def list(self) -> list[WorkflowSummary]:
+        index = await self.redis.hgetall(self.keys.workflow_index)
+        out = []
+        for name_b, version_b in sorted(index.items()):
+            spec = await self.get(name_b.decode(), int(version_b))
+            if spec is not None:
+                out.append(
+                    WorkflowSummary(
+                        name=spec.name,
+                        version=spec.version,
+                        description=spec.description,
+                        params=sorted(spec.params),
+                        sizes=list(spec.sizes),
+                    )
+                )
+        return out

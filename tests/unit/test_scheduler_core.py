@@ -1,0 +1,219 @@
+"""The scheduler's state machine and FIFO/best-fit policy, driven by hand-built events (no broker)."""
+
+from __future__ import annotations
+
+from libs.dataplane.meta import TensorMeta
+from libs.protocol.messages import (
+    ConstInput,
+    ExecutorHeartbeat,
+    ImageRef,
+    ImageRequest,
+    NodeComplete,
+    NodeFailed,
+    NodeTiming,
+    TensorInput,
+)
+from libs.workflow.dag import unroll
+from libs.workflow.params import resolve_params
+from libs.workflow.validate import validate_spec
+from services.scheduler.policy import fifo
+from services.scheduler.snapshot import ExecutorInfo, ReadyNode, Snapshot, best_fit
+from services.scheduler.state import Finished, PersistRequest, ReleaseAttempt, SchedulerCore, SendDispatch
+from tests.support.toyfns import CATALOG
+from tests.unit.test_workflow_dag import compose_toy
+
+FNS = list(CATALOG)
+OUTPUTS = {k: tuple(v.outputs) for k, v in CATALOG.items()}
+
+
+def toy_dag(steps: int = 2):
+    spec = validate_spec(compose_toy(), CATALOG)
+    return unroll(spec, resolve_params(spec, {"prompt": "p", "num_inference_steps": steps}), outputs_of=OUTPUTS)
+
+
+def request(rid: str = "r1", tenant: str = "t1", timeout_s: float = 60.0) -> ImageRequest:
+    return ImageRequest(rid, tenant, "toy", 1, {"prompt": "p"}, submitted_at=0.0, timeout_s=timeout_s)
+
+
+def hb(ex: str, seq: int = 1, running: list[str] | None = None, resident: list[str] | None = None) -> ExecutorHeartbeat:
+    return ExecutorHeartbeat(ex, "cpu", "shm", f"seg-{ex}", FNS, resident=resident or [], running=running or [], seq=seq)
+
+
+def dispatches(effects) -> list[SendDispatch]:
+    return [e for e in effects if isinstance(e, SendDispatch)]
+
+
+def complete(d: SendDispatch, nbytes: int = 100, bytes_in: int = 0) -> NodeComplete:
+    m = d.msg
+    outputs = {
+        o.name: TensorMeta(f"{m.request_id}/{m.attempt}/{m.node_id}/{o.name}", d.executor, "shm", f"seg-{d.executor}", 0, nbytes, "uint8", [nbytes])
+        for o in m.outputs
+        if o.consumers
+    }
+    sinks = {o.name: ImageRef("b", o.sink, 10, 8, 8) for o in m.outputs if o.sink}
+    return NodeComplete(d.executor, m.request_id, m.attempt, m.node_id, outputs, sinks, NodeTiming(exec_s=0.5), bytes_in)
+
+
+def drive(core: SchedulerCore, now: float = 0.0, fail_on=None) -> list:
+    """Run the core until no more dispatches: every dispatch completes immediately."""
+    effects_all = []
+    pending = dispatches(core.schedule(now))
+    while pending:
+        d = pending.pop(0)
+        effects = core.on_complete(complete(d, bytes_in=7), now)
+        effects_all += effects
+        pending += dispatches(core.schedule(now))
+    return effects_all
+
+
+def test_a_request_runs_every_node_in_dependency_order_and_finishes_with_its_image():
+    core = SchedulerCore(fifo)
+    core.on_heartbeat(hb("e1"), 0.0)
+    core.on_heartbeat(hb("e2"), 0.0)
+    dag = toy_dag(steps=2)
+    assert isinstance(core.add_request(request(), dag, attempt=1, now=0.0)[0], PersistRequest)
+    first = dispatches(core.schedule(0.0))
+    assert sorted(d.msg.node_id for d in first) == ["encode", "prepare"]  # both roots, in parallel
+    assert {d.executor for d in first} == {"e1", "e2"}
+    seen: list[str] = [d.msg.node_id for d in first]
+    finished = []
+    pending = first
+    while pending:
+        d = pending.pop(0)
+        for name, inp in d.msg.inputs.items():
+            if isinstance(inp, TensorInput):  # inputs carry the producer's metadata
+                assert inp.meta.tensor_id.split("/")[2] in seen
+        effects = core.on_complete(complete(d, bytes_in=7), 1.0)
+        finished += [e for e in effects if isinstance(e, Finished)]
+        new = dispatches(core.schedule(1.0))
+        seen += [n.msg.node_id for n in new]
+        pending += new
+    assert seen.index("decode") == len(seen) - 1
+    assert seen.index("denoiser@1") > seen.index("step@0")
+    (f,) = finished
+    assert f.result.status == "succeeded"
+    assert f.result.images["image"].name == "r1/image.png"
+    assert f.result.nodes == len(dag.nodes) and f.result.bytes_moved == 7 * len(dag.nodes)
+    assert core.active == 0 and core.stats()["idle_executors"] == 2
+
+
+def test_dispatch_tells_each_output_how_many_readers_it_has_and_passes_constants():
+    core = SchedulerCore(fifo)
+    core.on_heartbeat(hb("e1"), 0.0)
+    core.add_request(request(), toy_dag(steps=3), attempt=1, now=0.0)
+    d = dispatches(core.schedule(0.0))[0]
+    assert d.msg.node_id == "encode" and d.msg.inputs == {"prompt": ConstInput("p")}
+    assert [(o.name, o.consumers) for o in d.msg.outputs] == [("prompt_embeds", 3)]
+    core.on_complete(complete(d), 0.0)
+    d = dispatches(core.schedule(0.0))[0]
+    assert d.msg.node_id == "prepare"
+    assert {o.name: o.consumers for o in d.msg.outputs} == {"latents": 2, "timesteps": 3}
+
+
+def test_best_fit_prefers_resident_model_then_local_inputs_then_least_loaded():
+    node = ReadyNode("r/1/n", "r", "n", "t", "toy.denoiser", "m", 0, 0.0, 0.0, inputs=(("b", 100), ("c", 10)))
+    a = ExecutorInfo("a", frozenset(FNS), resident=frozenset({"toy.denoiser|m"}), load=5.0)
+    b = ExecutorInfo("b", frozenset(FNS), load=0.0)
+    c = ExecutorInfo("c", frozenset(FNS), load=0.0)
+    d = ExecutorInfo("d", frozenset(FNS), load=0.0)
+    cannot = ExecutorInfo("x", frozenset({"toy.encode"}), resident=frozenset({"toy.denoiser|m"}))
+    assert best_fit(node, [b, c, a, cannot]).id == "a"
+    assert best_fit(node, [c, b, d]).id == "b"
+    far = ReadyNode("r/1/n", "r", "n", "t", "toy.denoiser", "m", 0, 0.0, 0.0)
+    assert best_fit(far, [ExecutorInfo("p", frozenset(FNS), load=2.0), ExecutorInfo("q", frozenset(FNS), load=1.0)]).id == "q"
+    assert best_fit(far, [cannot]) is None
+
+
+def test_fifo_serves_the_older_request_first():
+    older = ReadyNode("r1/1/a", "r1", "a", "t", "toy.encode", "", 0, submitted_at=1.0, ready_since=5.0)
+    newer = ReadyNode("r2/1/a", "r2", "a", "t", "toy.encode", "", 0, submitted_at=2.0, ready_since=2.0)
+    snap = Snapshot(now=9.0, ready=(newer, older), idle=(ExecutorInfo("e", frozenset(FNS)),))
+    assert [a.node_key for a in fifo(snap)] == ["r1/1/a"]
+
+
+def test_a_lost_completion_is_detected_from_a_later_heartbeat_and_the_node_reruns():
+    core = SchedulerCore(fifo)
+    core.on_heartbeat(hb("e1", seq=1), 0.0)
+    core.add_request(request(), toy_dag(), attempt=1, now=0.0)
+    (d,) = dispatches(core.schedule(0.0))
+    core.dispatch_result(d.msg.key, "e1", ok=True, seq=1, error="", now=0.0)
+    assert core.on_heartbeat(hb("e1", seq=2, running=[d.msg.key]), 1.0) == []  # still running
+    assert dispatches(core.schedule(1.0)) == []
+    core.on_heartbeat(hb("e1", seq=3, running=[]), 2.0)  # finished, but no completion arrived
+    (again,) = dispatches(core.schedule(2.0))
+    assert again.msg.key == d.msg.key
+
+
+def test_losing_an_executor_restarts_the_requests_that_depended_on_it_as_a_new_attempt():
+    core = SchedulerCore(fifo, heartbeat_timeout_s=3.0)
+    core.on_heartbeat(hb("e1"), 0.0)
+    core.on_heartbeat(hb("e2"), 0.0)
+    core.add_request(request(), toy_dag(), attempt=1, now=0.0)
+    first = dispatches(core.schedule(0.0))
+    on_e1 = next(d for d in first if d.executor == "e1")
+    core.on_complete(complete(on_e1), 0.5)
+    core.on_heartbeat(hb("e2", seq=2, running=[d.msg.key for d in first if d.executor == "e2"]), 2.0)
+    effects = core.expire(4.0)  # e1 silent for 4 s > 3 s: its tensor is still needed
+    assert ReleaseAttempt("r1", 1) in effects
+    assert core.runs["r1"].attempt == 2
+    assert "e1" not in core.executors
+    # e2 is still computing the old attempt's node; its completion is stale and gets released.
+    stale = next(d for d in first if d.executor == "e2")
+    assert core.on_complete(complete(stale), 4.5) == [ReleaseAttempt("r1", 1)]
+    effects = drive(core, 5.0)
+    (f,) = [e for e in effects if isinstance(e, Finished)]
+    assert f.result.status == "succeeded" and f.result.executors == ["e2"]
+
+
+def test_a_retryable_node_failure_retries_the_node_and_a_permanent_one_fails_the_request():
+    core = SchedulerCore(fifo, max_node_retries=1)
+    core.on_heartbeat(hb("e1"), 0.0)
+    core.add_request(request(), toy_dag(), attempt=1, now=0.0)
+    (d,) = dispatches(core.schedule(0.0))
+    core.on_failed(NodeFailed("e1", "r1", 1, d.msg.node_id, "arena full", retryable=True), 0.1)
+    (again,) = dispatches(core.schedule(0.1))
+    assert again.msg.key == d.msg.key
+    effects = core.on_failed(NodeFailed("e1", "r1", 1, d.msg.node_id, "boom", retryable=False), 0.2)
+    (f,) = [e for e in effects if isinstance(e, Finished)]
+    assert f.result.status == "failed" and "boom" in f.result.error and f.result.error_code == "workflow"
+    assert ReleaseAttempt("r1", 1) in effects
+    assert core.active == 0
+
+
+def test_a_request_past_its_deadline_fails_with_a_timeout():
+    core = SchedulerCore(fifo)
+    core.add_request(request(timeout_s=10.0), toy_dag(), attempt=1, now=0.0)  # no executors at all
+    assert core.expire(5.0) == []
+    (f,) = [e for e in core.expire(11.0) if isinstance(e, Finished)]
+    assert f.result.error_code == "timeout"
+
+
+def test_an_unanswered_dispatch_puts_the_node_back_and_skips_the_executor_until_it_heartbeats():
+    core = SchedulerCore(fifo)
+    core.on_heartbeat(hb("e1"), 0.0)
+    core.add_request(request(), toy_dag(), attempt=1, now=0.0)
+    (d,) = dispatches(core.schedule(0.0))
+    core.dispatch_result(d.msg.key, "e1", ok=False, seq=0, error="no responders", now=0.1)
+    assert dispatches(core.schedule(0.2)) == []  # e1 is suspect
+    core.on_heartbeat(hb("e1", seq=2), 0.3)
+    (again,) = dispatches(core.schedule(0.3))
+    assert again.msg.key == d.msg.key
+
+
+def test_an_executor_busy_with_work_this_scheduler_never_sent_is_not_given_more():
+    core = SchedulerCore(fifo)
+    core.on_heartbeat(hb("e1", running=["old/1/x"]), 0.0)
+    core.add_request(request(), toy_dag(), attempt=1, now=0.0)
+    assert dispatches(core.schedule(0.0)) == []
+    core.on_heartbeat(hb("e1", seq=2), 1.0)
+    assert len(dispatches(core.schedule(1.0))) == 1
+
+
+def test_a_completion_missing_an_output_that_others_read_fails_the_request():
+    core = SchedulerCore(fifo)
+    core.on_heartbeat(hb("e1"), 0.0)
+    core.add_request(request(), toy_dag(), attempt=1, now=0.0)
+    (d,) = dispatches(core.schedule(0.0))
+    bad = NodeComplete("e1", "r1", 1, d.msg.node_id, outputs={})
+    (f,) = [e for e in core.on_complete(bad, 0.1) if isinstance(e, Finished)]
+    assert f.result.status == "failed" and "returned no ['prompt_embeds']" in f.result.error
