@@ -36,7 +36,7 @@ def load_config(cls: type[T], prefix: str, env: Mapping[str, str] | None = None,
     try:
         # strict=False lets "8000" become 8000 and "true" become True, as env vars are text.
         return msgspec.convert(raw, cls, strict=False)
-    except msgspec.ValidationError as e:
+    except msgspec.DecodeError as e:
         raise ConfigError(f"bad setting under {prefix}*: {e}") from None
 
 

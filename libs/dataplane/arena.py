@@ -146,11 +146,11 @@ class Arena:
     def __init__(self, name: str, capacity: int, min_block: int = 256) -> None:
         self.name = name
         self._alloc = BuddyAllocator(capacity, min_block)
-        self._cond = threading.Condition(threading.Lock())
-        # Thread currently inside a locked region, so free_soon() can tell "called re-entrantly
-        # from a GC finalizer in the middle of one of our own operations" from "called by
-        # another thread" (which may simply wait for the lock).
-        self._holder: int | None = None
+        # An RLock because it knows its owner exactly (_is_owned), which lets free_soon() tell
+        # "a GC finalizer fired inside one of this thread's own arena operations" (defer: the
+        # allocator may be mid-update) from "another thread" (just wait for the lock).
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
         self._deferred: deque[int] = deque()
         self._waiting = 0
         self._closed = False
@@ -159,18 +159,11 @@ class Arena:
     @contextmanager
     def _locked(self) -> Iterator[None]:
         with self._cond:
-            self._holder = threading.get_ident()
             try:
                 yield
             finally:
                 if self._deferred:
                     self._drain_deferred()
-                self._holder = None
-
-    def _wait(self, timeout: float) -> None:
-        self._holder = None
-        self._cond.wait(timeout)
-        self._holder = threading.get_ident()
 
     def _drain_deferred(self) -> None:
         while self._deferred:
@@ -219,7 +212,7 @@ class Arena:
                     if remaining <= 0:
                         a = self._alloc
                         raise ArenaFullError(nbytes, a.capacity, a.free_bytes, a.largest_free)
-                    self._wait(remaining)
+                    self._cond.wait(remaining)
                     self._check_open()
                     try:
                         return self._alloc.alloc(nbytes)
@@ -246,7 +239,7 @@ class Arena:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or self._closed:
                     return False
-                self._wait(remaining)
+                self._cond.wait(remaining)
             return True
 
     def free(self, offset: int) -> None:
@@ -263,7 +256,7 @@ class Arena:
     def free_soon(self, offset: int) -> None:
         """Free from any context, including a GC finalizer that fires inside one of this arena's
         own locked operations (then the block is freed as that operation ends)."""
-        if self._holder == threading.get_ident():
+        if self._lock._is_owned():  # type: ignore[attr-defined]
             self._deferred.append(offset)
         else:
             self.free(offset)

@@ -130,7 +130,7 @@ class ExecutorService:
     async def _on_msg(self, msg: Msg) -> None:
         try:
             m = executor_decoder.decode(msg.data)
-        except msgspec.ValidationError as e:
+        except msgspec.DecodeError as e:
             log.warning("dropped a malformed message on %s: %s", msg.subject, e)
             if msg.reply:
                 await msg.respond(encode(Ack(ok=False, error=f"malformed message: {e}")))

@@ -49,7 +49,7 @@ KEYS = web.AppKey("keys", ApiKeys)
 BRIDGE = web.AppKey("bridge", Bridge)
 METRICS = web.AppKey("metrics", Counter)
 INFLIGHT = web.AppKey("inflight", list)
-PRINCIPAL = "principal"
+PRINCIPAL = web.RequestKey("principal", Principal)
 PUBLIC = {"/healthz", "/readyz", "/metrics"}
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

@@ -60,7 +60,7 @@ class Bridge:
     async def _on_result(self, msg: Msg) -> None:
         try:
             result = result_decoder.decode(msg.data)
-        except msgspec.ValidationError as e:
+        except msgspec.DecodeError as e:
             log.warning("dropped a malformed result: %s", e)
             return
         fut = self._waiters.get(result.request_id)

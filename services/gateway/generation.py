@@ -20,6 +20,7 @@ from services.gateway.errors import ApiError, invalid
 # Fields of OpenAI's API that do not apply to these workflows; accepted so OpenAI clients work.
 IGNORED = {"user", "quality", "style"}
 EXTENSIONS = {"seed": "seed", "num_inference_steps": "num_inference_steps", "guidance_scale": "guidance_scale"}
+TOP_LEVEL_PARAMS = {"prompt", "width", "height", *EXTENSIONS.values()}
 KNOWN = {"model", "prompt", "n", "size", "response_format", "params", *IGNORED, *EXTENSIONS}
 RESPONSE_FORMATS = ("b64_json", "url")
 MAX_SEED = 2**63 - 1
@@ -92,8 +93,8 @@ def parse_generation(body: dict[str, Any], spec: WorkflowSpec, max_n: int) -> Ge
     if not isinstance(extra, dict):
         raise invalid("params", "must be an object of workflow parameters")
     for key, value in extra.items():
-        if key in params or key in ("width", "height"):
-            raise invalid(f"params.{key}", "is set by a top-level field; give it once")
+        if key in TOP_LEVEL_PARAMS:
+            raise invalid(f"params.{key}", "is set by a top-level field (`size` for width/height); give it there")
         params[key] = value
 
     seed_param = spec.params.get("seed")

@@ -65,7 +65,7 @@ class RegistryService:
     async def handle(self, data: bytes) -> RegistryReply:
         try:
             req = registry_request_decoder.decode(data)
-        except msgspec.ValidationError as e:
+        except msgspec.DecodeError as e:
             return RegistryReply(ok=False, error=f"bad registry request: {e}", status=400)
         match req:
             case RegisterWorkflow(spec=raw):

@@ -133,7 +133,7 @@ class SchedulerService:
     async def on_intake(self, m: Msg) -> None:
         try:
             req = intake_decoder.decode(m.data)
-        except msgspec.ValidationError as e:
+        except msgspec.DecodeError as e:
             log.error("dropped a malformed image request: %s", e)
             await m.term()
             return
@@ -175,7 +175,7 @@ class SchedulerService:
     async def _on_event(self, msg: Msg) -> None:
         try:
             ev = sched_decoder.decode(msg.data)
-        except msgspec.ValidationError as e:
+        except msgspec.DecodeError as e:
             log.warning("dropped a malformed event: %s", e)
             return
         now = time.monotonic()
@@ -211,7 +211,7 @@ class SchedulerService:
             ok, seq, error = ack.ok, ack.seq, ack.error
         except (NoRespondersError, NatsTimeoutError, TimeoutError) as ex:
             ok, seq, error = False, 0, f"no answer ({type(ex).__name__})"
-        except msgspec.ValidationError as ex:
+        except msgspec.DecodeError as ex:
             ok, seq, error = False, 0, f"malformed ack: {ex}"
         now = time.monotonic()
         self._apply(self.core.dispatch_result(key, e.executor, ok=ok, seq=seq, error=error, now=now) + self.core.schedule(now))

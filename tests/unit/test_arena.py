@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import uuid
 from collections.abc import Iterator
@@ -190,3 +192,32 @@ def test_attaching_to_a_missing_segment_is_a_clear_error(namespace: str) -> None
 def test_segment_names_reject_characters_shm_open_cannot_take(namespace_part: str, executor: str) -> None:
     with pytest.raises(ValueError):
         segment_name(namespace_part, executor)
+
+
+def test_a_free_from_a_finalizer_inside_the_arenas_own_lock_is_deferred_not_deadlocked(arena: Arena) -> None:
+    # Cyclic GC can run a lease's finalizer while this very thread is inside an arena operation.
+    offset = arena.allocate(1 * KIB)
+    with arena._locked():
+        arena.free_soon(offset)
+        assert arena._alloc.used_bytes == 1 * KIB  # not freed mid-operation...
+    assert arena.used_bytes == 0  # ...but as the operation ends
+
+
+def test_a_free_from_another_thread_frees_at_once(arena: Arena) -> None:
+    offset = arena.allocate(1 * KIB)
+    freer = threading.Thread(target=arena.free_soon, args=(offset,))
+    freer.start()
+    freer.join(timeout=BOUND)
+    assert arena.used_bytes == 0
+
+
+def test_the_data_plane_package_and_its_metadata_import_without_torch() -> None:
+    # The gateway and scheduler import these; torch must stay out of their processes.
+    code = (
+        "import sys, libs.dataplane, libs.dataplane.meta, libs.dataplane.transport.nvshmem; "
+        "sys.exit('torch' in sys.modules)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2], timeout=BOUND
+    )
+    assert done.returncode == 0, "importing libs.dataplane imported torch"

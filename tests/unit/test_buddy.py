@@ -82,7 +82,9 @@ def test_double_free_and_unknown_offsets_raise() -> None:
     ("capacity", "min_block"),
     [(3000, 256), (768, 256), (100, 256), (0, 256), (4096, 100)],
 )
-def test_capacity_that_is_not_a_power_of_two_multiple_of_min_block_is_rejected(capacity: int, min_block: int) -> None:
+def test_capacity_that_is_not_a_power_of_two_multiple_of_min_block_is_rejected(
+    capacity: int, min_block: int
+) -> None:
     with pytest.raises(ValueError):
         BuddyAllocator(capacity, min_block=min_block)
 
@@ -103,7 +105,11 @@ _ops = st.lists(
 
 
 @settings(max_examples=300, deadline=None)
-@given(ops=_ops, min_block_log=st.integers(min_value=4, max_value=9), orders=st.integers(min_value=0, max_value=10))
+@given(
+    ops=_ops,
+    min_block_log=st.integers(min_value=4, max_value=9),
+    orders=st.integers(min_value=0, max_value=10),
+)
 def test_random_programs_never_overlap_blocks_and_account_exactly(
     ops: list[tuple[str, int]], min_block_log: int, orders: int
 ) -> None:

@@ -11,7 +11,17 @@ from libs.workflow.errors import CompositionError, ParamError, SpecError
 from libs.workflow.params import resolve_params
 from libs.workflow.spec import LoopSpec, NodeSpec, WorkflowSpec, decode_spec, encode_spec
 from libs.workflow.validate import validate_spec
-from tests.support.toyfns import CATALOG, PARAMS, Control, ControlledDenoiser, Decode, Denoiser, Encode, Prepare, Step
+from tests.support.toyfns import (
+    CATALOG,
+    PARAMS,
+    Control,
+    ControlledDenoiser,
+    Decode,
+    Denoiser,
+    Encode,
+    Prepare,
+    Step,
+)
 
 
 def compose_toy(name: str = "toy") -> WorkflowSpec:
