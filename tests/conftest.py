@@ -40,7 +40,9 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def broker_urls(tmp_path_factory):
-    started = brokers.ensure_brokers(NATS_URL, REDIS_URL, tmp_path_factory.mktemp("brokers"), log=lambda *_: None)
+    started = brokers.ensure_brokers(
+        NATS_URL, REDIS_URL, tmp_path_factory.mktemp("brokers"), log=lambda *_: None
+    )
     yield NATS_URL, REDIS_URL
     brokers.stop(started)
 

@@ -41,7 +41,9 @@ async def ensure_images_bucket(js: JetStreamContext, subjects: Subjects) -> Obje
     try:
         return await js.create_object_store(
             subjects.images_bucket,
-            config=ObjectStoreConfig(description="generated images", ttl=IMAGES_TTL_S, storage=StorageType.FILE),
+            config=ObjectStoreConfig(
+                description="generated images", ttl=IMAGES_TTL_S, storage=StorageType.FILE
+            ),
         )
     except Exception:  # noqa: BLE001 - another service created it between our two calls
         return await js.object_store(subjects.images_bucket)

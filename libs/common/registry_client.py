@@ -69,7 +69,9 @@ class RegistryClient:
     async def register(self, spec_json: bytes, tenant: str = "") -> RegistryReply:
         import msgspec
 
-        return await self._call("register", encode(RegisterWorkflow(spec=msgspec.Raw(spec_json), tenant=tenant)))
+        return await self._call(
+            "register", encode(RegisterWorkflow(spec=msgspec.Raw(spec_json), tenant=tenant))
+        )
 
     async def list(self) -> RegistryReply:
         return await self._call("list", encode(ListWorkflows()))

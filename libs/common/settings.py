@@ -31,7 +31,11 @@ def common_settings(env=None) -> CommonSettings:
     import os
 
     env = os.environ if env is None else env
-    mine = {k: v for k, v in env.items() if k in {"T2I_NATS_URL", "T2I_REDIS_URL", "T2I_NAMESPACE", "T2I_LOG_LEVEL"}}
+    mine = {
+        k: v
+        for k, v in env.items()
+        if k in {"T2I_NATS_URL", "T2I_REDIS_URL", "T2I_NAMESPACE", "T2I_LOG_LEVEL"}
+    }
     try:
         return load_config(CommonSettings, "T2I_", mine)
     except ValueError as e:

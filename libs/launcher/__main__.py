@@ -51,7 +51,9 @@ def main(argv: list[str] | None = None) -> int:
         nats_url=nats_url,
         redis_url=redis_url,
     )
-    print(f"starting gateway, registry, scheduler and {args.executors} executors (logs in {stack.log_dir}) ...")
+    print(
+        f"starting gateway, registry, scheduler and {args.executors} executors (logs in {stack.log_dir}) ..."
+    )
     try:
         stack.start()
         import json
@@ -106,7 +108,7 @@ def curl_command(url: str, out: str) -> str:
         f"  -H 'Authorization: Bearer {DEV_KEY}' -H 'Content-Type: application/json' \\\n"
         f"  -d '{body}' \\\n"
         f"  | python3 -c 'import sys,json,base64; "
-        f"open(\"{out}/fox.png\",\"wb\").write(base64.b64decode(json.load(sys.stdin)[\"data\"][0][\"b64_json\"]))'"
+        f'open("{out}/fox.png","wb").write(base64.b64decode(json.load(sys.stdin)["data"][0]["b64_json"]))\''
     )
 
 

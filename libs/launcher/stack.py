@@ -113,9 +113,14 @@ class Stack:
                     pending.discard(name)
             time.sleep(0.1)
         if pending:
-            raise StackError(f"not ready after {timeout:.0f}s: {sorted(pending)}\n" + "\n".join(self.tail(n) for n in pending))
+            raise StackError(
+                f"not ready after {timeout:.0f}s: {sorted(pending)}\n"
+                + "\n".join(self.tail(n) for n in pending)
+            )
 
-    def http(self, method: str, path: str, body: object = None, key: str | None = None, timeout: float = 300.0) -> tuple[int, dict]:
+    def http(
+        self, method: str, path: str, body: object = None, key: str | None = None, timeout: float = 300.0
+    ) -> tuple[int, dict]:
         """A JSON call to the gateway; returns (status, body). Never raises on HTTP errors."""
         key = key or self.api_keys.split(",")[0].split("=")[0]
         data = json.dumps(body).encode() if body is not None else None

@@ -124,14 +124,18 @@ class Workflow:
         consts: dict[str, Scalar] = {k: v for k, v in fn.consts.items()}
         for name, bound in bindings.items():
             if name not in fn.inputs:
-                raise CompositionError(f"{node_id}: {fn.fn_name} has no input {name!r}; inputs are {list(fn.inputs)}")
+                raise CompositionError(
+                    f"{node_id}: {fn.fn_name} has no input {name!r}; inputs are {list(fn.inputs)}"
+                )
             if isinstance(bound, Value):
                 self._check_value(bound)
                 inputs[name] = bound.ref
             elif bound is None or isinstance(bound, int | float | str | bool):
                 consts[name] = bound
             else:
-                raise CompositionError(f"{node_id}.{name}: bind a workflow value or a scalar, not {type(bound).__name__}")
+                raise CompositionError(
+                    f"{node_id}.{name}: bind a workflow value or a scalar, not {type(bound).__name__}"
+                )
         for name in fn.inputs:
             if name in inputs or name in consts:
                 continue
@@ -191,7 +195,9 @@ class Workflow:
             self._frames.pop()
         if isinstance(result, Value):
             if len(carry) != 1:
-                raise CompositionError(f"loop {loop_id!r} carries {list(carry)}: return a dict of their next values")
+                raise CompositionError(
+                    f"loop {loop_id!r} carries {list(carry)}: return a dict of their next values"
+                )
             updates = {next(iter(carry)): result}
         elif isinstance(result, Outputs):
             updates = {n: result[n] for n in carry}
@@ -200,7 +206,9 @@ class Workflow:
         else:
             raise CompositionError(f"loop {loop_id!r} body returned {type(result).__name__}, not values")
         if set(updates) != set(carry):
-            raise CompositionError(f"loop {loop_id!r} body must return exactly {sorted(carry)}, got {sorted(updates)}")
+            raise CompositionError(
+                f"loop {loop_id!r} body must return exactly {sorted(carry)}, got {sorted(updates)}"
+            )
         for v in updates.values():
             self._check_value(v)
         spec = LoopSpec(

@@ -72,7 +72,9 @@ def unroll(
     nodes: list[DagNode] = []
     read: dict[str, set[str]] = {}
 
-    def run(ops: list[Op], env: dict[str, Source], suffix: str, outer: dict[str, object]) -> dict[str, object]:
+    def run(
+        ops: list[Op], env: dict[str, Source], suffix: str, outer: dict[str, object]
+    ) -> dict[str, object]:
         # names: op id -> unrolled node id (nodes) or {var: Source} (loops), visible in this body.
         names: dict[str, object] = dict(outer)
         for op in ops:
@@ -101,7 +103,9 @@ def unroll(
                     )
                 )
                 if len(nodes) > MAX_NODES:
-                    raise ParamError("num_inference_steps", f"the request unrolls to more than {MAX_NODES} nodes")
+                    raise ParamError(
+                        "num_inference_steps", f"the request unrolls to more than {MAX_NODES} nodes"
+                    )
                 names[op.id] = node_id
             else:
                 names[op.id] = run_loop(op, env, suffix, names)
@@ -118,7 +122,9 @@ def unroll(
             return target[out]
         return TensorSource(str(target), out)
 
-    def run_loop(op: LoopSpec, env: dict[str, Source], suffix: str, names: dict[str, object]) -> dict[str, Source]:
+    def run_loop(
+        op: LoopSpec, env: dict[str, Source], suffix: str, names: dict[str, object]
+    ) -> dict[str, Source]:
         if isinstance(op.count, int):
             count = op.count
         else:

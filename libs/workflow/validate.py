@@ -222,7 +222,9 @@ class _Validator:
         inputs: dict[str, str] = {}
         for name, ref in op.inputs.items():
             if name not in sig.inputs:
-                self.problem(f"{path}.inputs.{name}", f"{op.fn} has no input {name!r} (inputs: {list(sig.inputs)})")
+                self.problem(
+                    f"{path}.inputs.{name}", f"{op.fn} has no input {name!r} (inputs: {list(sig.inputs)})"
+                )
                 continue
             if name in op.consts:
                 self.problem(f"{path}.inputs.{name}", "bound both as a reference and as a constant")
@@ -232,13 +234,18 @@ class _Validator:
                 inputs[name] = resolved
         for name in op.consts:
             if name not in sig.inputs:
-                self.problem(f"{path}.consts.{name}", f"{op.fn} has no input {name!r} (inputs: {list(sig.inputs)})")
+                self.problem(
+                    f"{path}.consts.{name}", f"{op.fn} has no input {name!r} (inputs: {list(sig.inputs)})"
+                )
         for name in sig.inputs:
             if name in op.inputs or name in op.consts:
                 continue
             found = self.lookup(name, chain)
             if found is None:
-                self.problem(f"{path}.inputs.{name}", f"input {name!r} of {op.fn} is bound to nothing: no value named {name!r} precedes it")
+                self.problem(
+                    f"{path}.inputs.{name}",
+                    f"input {name!r} of {op.fn} is bound to nothing: no value named {name!r} precedes it",
+                )
                 continue
             resolved = self.resolve_ref(found, f"{path}.inputs.{name}", chain, op.id)
             if resolved:
@@ -251,7 +258,9 @@ class _Validator:
             pname = op.count[len(REF_PARAM) :] if op.count.startswith(REF_PARAM) else None
             p = self.spec.params.get(pname) if pname else None
             if p is None or p.type != "int":
-                self.problem(f"{path}.count", f"{op.count!r} must be an int literal or param:NAME of an int parameter")
+                self.problem(
+                    f"{path}.count", f"{op.count!r} must be an int literal or param:NAME of an int parameter"
+                )
             elif p.minimum is None or p.minimum < 1:
                 self.problem(f"params.{pname}", f"used as the count of loop {op.id!r}: needs `minimum` >= 1")
         elif isinstance(op.count, bool) or op.count < 1:
@@ -282,7 +291,9 @@ class _Validator:
         update = {}
         for name, ref in op.update.items():
             if ref.startswith(REF_PARAM):
-                self.problem(f"{path}.update.{name}", "a carried variable is updated from the body, not a parameter")
+                self.problem(
+                    f"{path}.update.{name}", "a carried variable is updated from the body, not a parameter"
+                )
                 continue
             # Updates feed the *next* iteration: they are not dependencies inside the body.
             r = self.resolve_ref(ref, f"{path}.update.{name}", inner_chain, "__update__")

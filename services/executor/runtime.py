@@ -118,7 +118,9 @@ def encode_png(image: torch.Tensor) -> Png:
     if image.dim() == 4 and image.shape[0] == 1:
         image = image[0]
     if image.dtype != torch.uint8 or image.dim() != 3 or image.shape[-1] not in (1, 3, 4):
-        raise NodeError(f"a workflow image output must be uint8 [H, W, 3], got {image.dtype} {list(image.shape)}")
+        raise NodeError(
+            f"a workflow image output must be uint8 [H, W, 3], got {image.dtype} {list(image.shape)}"
+        )
     arr = image.detach().cpu().contiguous().numpy()
     if arr.shape[-1] == 1:
         arr = arr[..., 0]

@@ -173,7 +173,9 @@ class ExecutorService:
             return
         except Exception as e:  # noqa: BLE001 - never let one node take the executor down
             log.exception("node %s crashed", d.key)
-            await self._finish(NodeFailed(self.id, d.request_id, d.attempt, d.node_id, f"executor error: {e}", True))
+            await self._finish(
+                NodeFailed(self.id, d.request_id, d.attempt, d.node_id, f"executor error: {e}", True)
+            )
             return
         await self._release_inputs(outcome)
         self.nodes_run += 1

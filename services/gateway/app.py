@@ -106,7 +106,9 @@ async def lookup_workflow(bridge: Bridge, name: str, param: str = "model") -> Wo
     try:
         return await bridge.registry.get(name)
     except WorkflowNotFound:
-        raise ApiError(404, f"{param}: workflow {name!r} not found", param=param, code="model_not_found") from None
+        raise ApiError(
+            404, f"{param}: workflow {name!r} not found", param=param, code="model_not_found"
+        ) from None
 
 
 # -- images ----------------------------------------------------------------------------------------------
@@ -119,7 +121,9 @@ async def generate(request: web.Request) -> web.Response:
     gen = parse_generation(body, spec, cfg.max_n)  # type: ignore[arg-type]
     inflight = app[INFLIGHT]
     if inflight[0] + gen.n > cfg.max_inflight:
-        raise ApiError(429, f"too many images in progress (limit {cfg.max_inflight}); retry shortly", code="busy")
+        raise ApiError(
+            429, f"too many images in progress (limit {cfg.max_inflight}); retry shortly", code="busy"
+        )
     inflight[0] += gen.n
     try:
         return await _run_generation(request, spec, gen, principal)
@@ -127,7 +131,9 @@ async def generate(request: web.Request) -> web.Response:
         inflight[0] -= gen.n
 
 
-async def _run_generation(request: web.Request, spec: WorkflowSpec, gen: Generation, who: Principal) -> web.Response:
+async def _run_generation(
+    request: web.Request, spec: WorkflowSpec, gen: Generation, who: Principal
+) -> web.Response:
     cfg, bridge, metrics = request.app[CONFIG], request.app[BRIDGE], request.app[METRICS]
     gen_id = uuid.uuid4().hex[:20]
     ids = [f"{gen_id}-{i}" for i in range(gen.n)]
@@ -145,7 +151,9 @@ async def _run_generation(request: web.Request, spec: WorkflowSpec, gen: Generat
                 timeout_s=cfg.request_timeout_s,
             )
             await bridge.submit(req)
-        results = await asyncio.gather(*(bridge.wait(r, f, cfg.request_timeout_s + 5) for r, f in zip(ids, futures, strict=True)))
+        results = await asyncio.gather(
+            *(bridge.wait(r, f, cfg.request_timeout_s + 5) for r, f in zip(ids, futures, strict=True))
+        )
     finally:
         for rid in ids:
             bridge.forget(rid)
@@ -168,7 +176,9 @@ async def _run_generation(request: web.Request, spec: WorkflowSpec, gen: Generat
             item["seed"] = seed
         data.append(item)
     metrics["images_generated"] += gen.n
-    log.info("%s: %d image(s) of %s for %s in %.2fs", gen_id, gen.n, spec.name, who.tenant, time.monotonic() - t0)
+    log.info(
+        "%s: %d image(s) of %s for %s in %.2fs", gen_id, gen.n, spec.name, who.tenant, time.monotonic() - t0
+    )
     return web.json_response({"id": gen_id, "created": int(time.time()), "model": spec.name, "data": data})
 
 
@@ -191,7 +201,9 @@ async def image_file(request: web.Request) -> web.Response:
     owner = await bridge.request_tenant(rid)
     if owner is None or owner != request[PRINCIPAL].tenant:
         raise ApiError(404, f"no image {rid}/{name}", code="not_found")
-    png = await bridge.fetch_image(ImageRef(bucket="", name=f"{rid}/{name}", nbytes=0, width=0, height=0), delete=False)
+    png = await bridge.fetch_image(
+        ImageRef(bucket="", name=f"{rid}/{name}", nbytes=0, width=0, height=0), delete=False
+    )
     if png is None:
         raise ApiError(404, f"image {rid}/{name} has expired or does not exist", code="not_found")
     return web.Response(body=png, content_type="image/png")
@@ -204,11 +216,19 @@ async def register_workflow(request: web.Request) -> web.Response:
     body = await read_json(request)
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a workflow spec (a JSON object)", code="invalid_json")
-    reply = await request.app[BRIDGE].registry.register(json.dumps(body).encode(), tenant=request[PRINCIPAL].tenant)
+    reply = await request.app[BRIDGE].registry.register(
+        json.dumps(body).encode(), tenant=request[PRINCIPAL].tenant
+    )
     if not reply.ok:
         problems = [{"path": p.path, "message": p.message} for p in reply.problems]
         param = problems[0]["path"] if problems else None
-        err = {"message": reply.error, "type": "invalid_request_error", "param": param, "code": "invalid_spec", "problems": problems}
+        err = {
+            "message": reply.error,
+            "type": "invalid_request_error",
+            "param": param,
+            "code": "invalid_spec",
+            "problems": problems,
+        }
         return web.json_response({"error": err}, status=reply.status)
     spec = json.loads(bytes(reply.spec))
     return web.json_response({"workflow": spec, "created": reply.created}, status=reply.status)

@@ -81,12 +81,19 @@ class Bridge:
     async def submit(self, req: ImageRequest) -> None:
         await self.redis.hset(
             self.keys.request(req.request_id),
-            mapping={"status": "submitted", "tenant": req.tenant, "workflow": req.workflow, "submitted_at": time.time()},
+            mapping={
+                "status": "submitted",
+                "tenant": req.tenant,
+                "workflow": req.workflow,
+                "submitted_at": time.time(),
+            },
         )
         await self.redis.expire(self.keys.request(req.request_id), 86400)
         await self.js.publish(self.subjects.intake, encode(req), headers={"Nats-Msg-Id": req.request_id})
 
-    async def wait(self, request_id: str, fut: asyncio.Future[RequestResult], wait_s: float) -> RequestResult | None:
+    async def wait(
+        self, request_id: str, fut: asyncio.Future[RequestResult], wait_s: float
+    ) -> RequestResult | None:
         """The result, or None after ``wait_s`` seconds."""
         deadline = time.monotonic() + wait_s
         try:

@@ -10,7 +10,9 @@ from aiohttp import web
 class ApiError(Exception):
     """An error answered to the client. ``param`` names the offending field."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, *, param: str | None = None, code: str | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message

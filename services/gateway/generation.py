@@ -19,7 +19,11 @@ from services.gateway.errors import ApiError, invalid
 
 # Fields of OpenAI's API that do not apply to these workflows; accepted so OpenAI clients work.
 IGNORED = {"user", "quality", "style"}
-EXTENSIONS = {"seed": "seed", "num_inference_steps": "num_inference_steps", "guidance_scale": "guidance_scale"}
+EXTENSIONS = {
+    "seed": "seed",
+    "num_inference_steps": "num_inference_steps",
+    "guidance_scale": "guidance_scale",
+}
 TOP_LEVEL_PARAMS = {"prompt", "width", "height", *EXTENSIONS.values()}
 KNOWN = {"model", "prompt", "n", "size", "response_format", "params", *IGNORED, *EXTENSIONS}
 RESPONSE_FORMATS = ("b64_json", "url")
@@ -79,7 +83,9 @@ def parse_generation(body: dict[str, Any], spec: WorkflowSpec, max_n: int) -> Ge
     if spec.sizes:
         size = size or spec.sizes[0]
         if size not in spec.sizes:
-            raise invalid("size", f"{size!r} is not supported by workflow {spec.name!r}; supported: {spec.sizes}")
+            raise invalid(
+                "size", f"{size!r} is not supported by workflow {spec.name!r}; supported: {spec.sizes}"
+            )
         params["width"], params["height"] = parse_size(size)
     elif size is not None:
         raise invalid("size", f"workflow {spec.name!r} has a fixed size; leave `size` out")
@@ -94,7 +100,9 @@ def parse_generation(body: dict[str, Any], spec: WorkflowSpec, max_n: int) -> Ge
         raise invalid("params", "must be an object of workflow parameters")
     for key, value in extra.items():
         if key in TOP_LEVEL_PARAMS:
-            raise invalid(f"params.{key}", "is set by a top-level field (`size` for width/height); give it there")
+            raise invalid(
+                f"params.{key}", "is set by a top-level field (`size` for width/height); give it there"
+            )
         params[key] = value
 
     seed_param = spec.params.get("seed")

@@ -25,7 +25,9 @@ async def main() -> None:
     log = setup_logging("registry", common.log_level)
     nc = await connect(common.nats_url, "registry")
     redis = Redis.from_url(common.redis_url)
-    service = RegistryService(nc, WorkflowStore(redis, Keys(common.namespace)), catalog.signatures(), Subjects(common.namespace))
+    service = RegistryService(
+        nc, WorkflowStore(redis, Keys(common.namespace)), catalog.signatures(), Subjects(common.namespace)
+    )
     await service.start()
     log.info("registry ready (namespace %s)", common.namespace)
     try:

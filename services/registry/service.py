@@ -33,7 +33,9 @@ log = logging.getLogger(__name__)
 
 
 class RegistryService:
-    def __init__(self, nc: Client, store: WorkflowStore, catalog: dict[str, Signature], subjects: Subjects) -> None:
+    def __init__(
+        self, nc: Client, store: WorkflowStore, catalog: dict[str, Signature], subjects: Subjects
+    ) -> None:
         self.nc = nc
         self.store = store
         self.catalog = catalog
@@ -42,7 +44,9 @@ class RegistryService:
 
     async def start(self) -> None:
         for op in ("register", "get", "list"):
-            self._subs.append(await self.nc.subscribe(self.subjects.registry(op), queue="registry", cb=self._on_msg))
+            self._subs.append(
+                await self.nc.subscribe(self.subjects.registry(op), queue="registry", cb=self._on_msg)
+            )
         log.info("registry serving %d ModelFns: %s", len(self.catalog), ", ".join(sorted(self.catalog)))
 
     async def stop(self) -> None:
@@ -85,7 +89,9 @@ class RegistryService:
             spec = decode_spec(raw)
         except msgspec.ValidationError as e:
             path = _path_of(str(e))
-            return RegistryReply(ok=False, error=f"invalid spec: {e}", status=422, problems=[Problem(path, str(e))])
+            return RegistryReply(
+                ok=False, error=f"invalid spec: {e}", status=422, problems=[Problem(path, str(e))]
+            )
         except msgspec.DecodeError as e:
             return RegistryReply(ok=False, error=f"spec is not JSON: {e}", status=400)
         try:
@@ -99,7 +105,9 @@ class RegistryService:
             )
         stored, created = await self.store.put(normal)
         log.info("workflow %s v%d %s", stored.name, stored.version, "registered" if created else "unchanged")
-        return RegistryReply(ok=True, spec=msgspec.Raw(encode_spec(stored)), created=created, status=201 if created else 200)
+        return RegistryReply(
+            ok=True, spec=msgspec.Raw(encode_spec(stored)), created=created, status=201 if created else 200
+        )
 
 
 def _path_of(message: str) -> str:

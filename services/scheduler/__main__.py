@@ -32,7 +32,12 @@ async def main() -> None:
     nc = await connect(common.nats_url, "scheduler")
     redis = Redis.from_url(common.redis_url)
     service = SchedulerService(
-        nc=nc, redis=redis, subjects=Subjects(common.namespace), keys=Keys(common.namespace), core=core, cfg=cfg
+        nc=nc,
+        redis=redis,
+        subjects=Subjects(common.namespace),
+        keys=Keys(common.namespace),
+        core=core,
+        cfg=cfg,
     )
     await service.start()
     log.info("scheduler ready (policy %s, namespace %s)", cfg.policy, common.namespace)

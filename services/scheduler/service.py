@@ -206,7 +206,9 @@ class SchedulerService:
     async def _send_dispatch(self, e: SendDispatch) -> None:
         key = e.msg.key
         try:
-            reply = await self.nc.request(self.subjects.executor(e.executor), encode(e.msg), timeout=self.cfg.dispatch_timeout_s)
+            reply = await self.nc.request(
+                self.subjects.executor(e.executor), encode(e.msg), timeout=self.cfg.dispatch_timeout_s
+            )
             ack = ack_decoder.decode(reply.data)
             ok, seq, error = ack.ok, ack.seq, ack.error
         except (NoRespondersError, NatsTimeoutError, TimeoutError) as ex:
@@ -214,7 +216,10 @@ class SchedulerService:
         except msgspec.DecodeError as ex:
             ok, seq, error = False, 0, f"malformed ack: {ex}"
         now = time.monotonic()
-        self._apply(self.core.dispatch_result(key, e.executor, ok=ok, seq=seq, error=error, now=now) + self.core.schedule(now))
+        self._apply(
+            self.core.dispatch_result(key, e.executor, ok=ok, seq=seq, error=error, now=now)
+            + self.core.schedule(now)
+        )
 
     async def io_loop(self) -> None:
         while True:
@@ -224,7 +229,9 @@ class SchedulerService:
                     case PersistRequest():
                         await self._persist(e)
                     case ReleaseAttempt(request_id=rid, attempt=attempt):
-                        await self.nc.publish(self.subjects.executors_all, encode(ReleaseRequest(rid, attempt)))
+                        await self.nc.publish(
+                            self.subjects.executors_all, encode(ReleaseRequest(rid, attempt))
+                        )
                     case Finished(result=result, tenant=tenant):
                         await self._finish(result, tenant, self._intake_msgs.pop(result.request_id, None))
             except Exception:  # noqa: BLE001

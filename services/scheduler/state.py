@@ -159,7 +159,9 @@ class SchedulerCore:
         self.runs[req.request_id] = run
         return [self._persist(run, status="queued")]
 
-    def _new_run(self, req: ImageRequest, dag: Dag, attempt: int, arrived: float, deadline: float) -> RequestRun:
+    def _new_run(
+        self, req: ImageRequest, dag: Dag, attempt: int, arrived: float, deadline: float
+    ) -> RequestRun:
         run = RequestRun(
             req=req,
             dag=dag,
@@ -184,7 +186,9 @@ class SchedulerCore:
     def on_heartbeat(self, hb: ExecutorHeartbeat, now: float) -> list[Effect]:
         ex = self.executors.get(hb.executor)
         if ex is None:
-            ex = ExecutorState(id=hb.executor, kind=hb.kind, fns=frozenset(hb.fns), last_seen=now, load_at=now)
+            ex = ExecutorState(
+                id=hb.executor, kind=hb.kind, fns=frozenset(hb.fns), last_seen=now, load_at=now
+            )
             self.executors[hb.executor] = ex
             log.info("executor %s joined (%s, %d ModelFns)", hb.executor, hb.kind, len(hb.fns))
         ex.last_seen = now
@@ -210,12 +214,15 @@ class SchedulerCore:
         effects: list[Effect] = []
         for run in list(self.runs.values()):
             if executor_id in run.running.values() or any(
-                meta.executor == executor_id and run.reads_left.get(src, 0) > 0 for src, meta in run.tensors.items()
+                meta.executor == executor_id and run.reads_left.get(src, 0) > 0
+                for src, meta in run.tensors.items()
             ):
                 effects += self._restart(run, now, f"executor {executor_id} lost ({reason})")
         return effects
 
-    def dispatch_result(self, key: str, executor_id: str, *, ok: bool, seq: int, error: str, now: float) -> list[Effect]:
+    def dispatch_result(
+        self, key: str, executor_id: str, *, ok: bool, seq: int, error: str, now: float
+    ) -> list[Effect]:
         """The executor answered a dispatch (``ok``) or did not (``error`` says why)."""
         ex = self.executors.get(executor_id)
         if ex is None or ex.running != key:
@@ -264,7 +271,9 @@ class SchedulerCore:
                     )
                 )
         idle = tuple(
-            ExecutorInfo(id=e.id, fns=e.fns, resident=e.resident, load=self._load(e, now), arena_free=e.arena_free)
+            ExecutorInfo(
+                id=e.id, fns=e.fns, resident=e.resident, load=self._load(e, now), arena_free=e.arena_free
+            )
             for e in self.executors.values()
             if e.idle
         )
@@ -338,7 +347,9 @@ class SchedulerCore:
             return [ReleaseAttempt(msg.request_id, msg.attempt)] if msg.outputs else []
         node = run.dag.nodes[msg.node_id]
         missing = [
-            o for o in node.outputs if run.dag.consumers.get(TensorSource(node.id, o), 0) and o not in msg.outputs
+            o
+            for o in node.outputs
+            if run.dag.consumers.get(TensorSource(node.id, o), 0) and o not in msg.outputs
         ]
         sinks = {src.output: name for name, src in run.dag.outputs.items() if src.node == node.id}
         missing += [o for o in sinks if o not in msg.sinks]
@@ -380,10 +391,14 @@ class SchedulerCore:
         if msg.retryable and run.retries.get(msg.node_id, 0) < self.max_node_retries:
             return self._requeue(msg.key, msg.executor, now, reason=msg.error)
         node = run.dag.nodes[msg.node_id]
-        return self._fail(run, f"node {msg.node_id} ({node.fn}) failed on {msg.executor}: {msg.error}", code="workflow")
+        return self._fail(
+            run, f"node {msg.node_id} ({node.fn}) failed on {msg.executor}: {msg.error}", code="workflow"
+        )
 
     # -- internals -----------------------------------------------------------------------------------
-    def _requeue(self, key: str, executor_id: str, now: float, reason: str, count_retry: bool = True) -> list[Effect]:
+    def _requeue(
+        self, key: str, executor_id: str, now: float, reason: str, count_retry: bool = True
+    ) -> list[Effect]:
         request_id, attempt, node_id = _split_key(key)
         run = self.runs.get(request_id)
         if run is None or run.attempt != attempt or run.running.get(node_id) != executor_id:
@@ -392,7 +407,11 @@ class SchedulerCore:
         if count_retry:
             run.retries[node_id] = run.retries.get(node_id, 0) + 1
             if run.retries[node_id] > self.max_node_retries:
-                return self._fail(run, f"node {node_id} failed {run.retries[node_id]} times, last: {reason}", code="workflow")
+                return self._fail(
+                    run,
+                    f"node {node_id} failed {run.retries[node_id]} times, last: {reason}",
+                    code="workflow",
+                )
         run.status[node_id] = NodeStatus.READY
         run.ready[node_id] = now
         return []
@@ -404,7 +423,10 @@ class SchedulerCore:
         fresh = self._new_run(run.req, run.dag, run.attempt + 1, arrived=run.arrived, deadline=run.deadline)
         fresh.restarts = run.restarts + 1
         self.runs[run.request_id] = fresh
-        return [ReleaseAttempt(run.request_id, run.attempt), self._persist(fresh, status="queued", restarted=reason)]
+        return [
+            ReleaseAttempt(run.request_id, run.attempt),
+            self._persist(fresh, status="queued", restarted=reason),
+        ]
 
     def _succeed(self, run: RequestRun) -> list[Effect]:
         del self.runs[run.request_id]

@@ -105,8 +105,12 @@ def generate(stack: Stack, key: str = KEY, **fields) -> tuple[int, dict]:
     return stack.http("POST", "/v1/images/generations", {"model": "tiny-flux", **fields}, key=key)
 
 
-def test_the_png_equals_the_monolithic_flux_pipeline_bitwise_and_tensors_crossed_executors(stack, tiny_models):
-    status, body = generate(stack, prompt="a lighthouse at dusk", seed=7, num_inference_steps=4, size="128x64")
+def test_the_png_equals_the_monolithic_flux_pipeline_bitwise_and_tensors_crossed_executors(
+    stack, tiny_models
+):
+    status, body = generate(
+        stack, prompt="a lighthouse at dusk", seed=7, num_inference_steps=4, size="128x64"
+    )
     assert status == 200, (body, stack.tail("scheduler"))
     got = pixels(body["data"][0]["b64_json"])
     want = monolithic(tiny_models, "a lighthouse at dusk", seed=7, steps=4, width=128, height=64)
@@ -114,7 +118,9 @@ def test_the_png_equals_the_monolithic_flux_pipeline_bitwise_and_tensors_crossed
     assert np.array_equal(got, want)
     state = request_state(stack, f"{body['id']}-0")
     assert state["status"] == "succeeded"
-    assert sorted(state["executors"].split(",")) == sorted(f"{stack.namespace}-executor-{i}" for i in range(2))
+    assert sorted(state["executors"].split(",")) == sorted(
+        f"{stack.namespace}-executor-{i}" for i in range(2)
+    )
     assert int(state["bytes_moved"]) > 0  # some node pulled an input from the other executor's arena
     assert int(state["nodes_done"]) == int(state["nodes_total"]) == 2 + 1 + 2 * 4 + 1
 

@@ -32,7 +32,9 @@ ADMIN = {"Authorization": "Bearer sk-admin"}
 async def api(common):
     nc = await connect(common.nats_url, "test-registry")
     redis = Redis.from_url(common.redis_url)
-    registry = RegistryService(nc, WorkflowStore(redis, Keys(common.namespace)), catalog.signatures(), Subjects(common.namespace))
+    registry = RegistryService(
+        nc, WorkflowStore(redis, Keys(common.namespace)), catalog.signatures(), Subjects(common.namespace)
+    )
     await registry.start()
     keys = ApiKeys.load("sk-user=alice,sk-admin=ops:admin")
     app = make_app(GatewayConfig(max_n=4), common, keys)
@@ -62,7 +64,9 @@ async def test_a_missing_or_unknown_api_key_gets_401(api):
     client, _, _ = api
     err = await error_of(await client.post("/v1/images/generations", json=gen()), 401)
     assert err["code"] == "missing_api_key"
-    err = await error_of(await client.post("/v1/images/generations", json=gen(), headers={"Authorization": "Bearer nope"}), 401)
+    err = await error_of(
+        await client.post("/v1/images/generations", json=gen(), headers={"Authorization": "Bearer nope"}), 401
+    )
     assert err["code"] == "invalid_api_key"
     await error_of(await client.get("/v1/workflows", headers={"Authorization": "Basic abc"}), 401)
 
@@ -76,7 +80,9 @@ async def test_malformed_json_and_non_object_bodies_get_400(api):
 
 async def test_an_unknown_workflow_gets_404_naming_model(api):
     client, _, _ = api
-    err = await error_of(await client.post("/v1/images/generations", json=gen(model="nope"), headers=USER), 404)
+    err = await error_of(
+        await client.post("/v1/images/generations", json=gen(model="nope"), headers=USER), 404
+    )
     assert err["param"] == "model" and "nope" in err["message"]
 
 

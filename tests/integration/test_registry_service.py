@@ -25,7 +25,9 @@ async def registry(common):
     nc = await connect(common.nats_url, "test-registry")
     redis = Redis.from_url(common.redis_url)
     subjects = Subjects(common.namespace)
-    service = RegistryService(nc, WorkflowStore(redis, Keys(common.namespace)), catalog.signatures(), subjects)
+    service = RegistryService(
+        nc, WorkflowStore(redis, Keys(common.namespace)), catalog.signatures(), subjects
+    )
     await service.start()
     client = RegistryClient(nc, subjects)
     yield client, nc, subjects
@@ -80,9 +82,17 @@ def drop_clip(d: dict) -> None:
 @pytest.mark.parametrize(
     ("mutate", "path", "fragment"),
     [
-        (lambda d: d["body"].__setitem__(0, {**d["body"][0], "fn": "flux.nope"}), "body[0].fn", "unknown ModelFn"),
+        (
+            lambda d: d["body"].__setitem__(0, {**d["body"][0], "fn": "flux.nope"}),
+            "body[0].fn",
+            "unknown ModelFn",
+        ),
         (drop_clip, "body[2].body[0].inputs.pooled_prompt_embeds", "bound to nothing"),
-        (lambda d: d["params"]["seed"].__setitem__("default", "zero"), "params.seed.default", "not of type int"),
+        (
+            lambda d: d["params"]["seed"].__setitem__("default", "zero"),
+            "params.seed.default",
+            "not of type int",
+        ),
         (lambda d: d["body"][2]["inputs"].__setitem__("seed", "vae.image"), "body", "cycle"),
         (lambda d: d["body"][0].__setitem__("bogus", 1), "body[0]", "unknown field"),
     ],

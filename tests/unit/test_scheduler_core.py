@@ -28,15 +28,21 @@ OUTPUTS = {k: tuple(v.outputs) for k, v in CATALOG.items()}
 
 def toy_dag(steps: int = 2):
     spec = validate_spec(compose_toy(), CATALOG)
-    return unroll(spec, resolve_params(spec, {"prompt": "p", "num_inference_steps": steps}), outputs_of=OUTPUTS)
+    return unroll(
+        spec, resolve_params(spec, {"prompt": "p", "num_inference_steps": steps}), outputs_of=OUTPUTS
+    )
 
 
 def request(rid: str = "r1", tenant: str = "t1", timeout_s: float = 60.0) -> ImageRequest:
     return ImageRequest(rid, tenant, "toy", 1, {"prompt": "p"}, submitted_at=0.0, timeout_s=timeout_s)
 
 
-def hb(ex: str, seq: int = 1, running: list[str] | None = None, resident: list[str] | None = None) -> ExecutorHeartbeat:
-    return ExecutorHeartbeat(ex, "cpu", "shm", f"seg-{ex}", FNS, resident=resident or [], running=running or [], seq=seq)
+def hb(
+    ex: str, seq: int = 1, running: list[str] | None = None, resident: list[str] | None = None
+) -> ExecutorHeartbeat:
+    return ExecutorHeartbeat(
+        ex, "cpu", "shm", f"seg-{ex}", FNS, resident=resident or [], running=running or [], seq=seq
+    )
 
 
 def dispatches(effects) -> list[SendDispatch]:
@@ -46,12 +52,23 @@ def dispatches(effects) -> list[SendDispatch]:
 def complete(d: SendDispatch, nbytes: int = 100, bytes_in: int = 0) -> NodeComplete:
     m = d.msg
     outputs = {
-        o.name: TensorMeta(f"{m.request_id}/{m.attempt}/{m.node_id}/{o.name}", d.executor, "shm", f"seg-{d.executor}", 0, nbytes, "uint8", [nbytes])
+        o.name: TensorMeta(
+            f"{m.request_id}/{m.attempt}/{m.node_id}/{o.name}",
+            d.executor,
+            "shm",
+            f"seg-{d.executor}",
+            0,
+            nbytes,
+            "uint8",
+            [nbytes],
+        )
         for o in m.outputs
         if o.consumers
     }
     sinks = {o.name: ImageRef("b", o.sink, 10, 8, 8) for o in m.outputs if o.sink}
-    return NodeComplete(d.executor, m.request_id, m.attempt, m.node_id, outputs, sinks, NodeTiming(exec_s=0.5), bytes_in)
+    return NodeComplete(
+        d.executor, m.request_id, m.attempt, m.node_id, outputs, sinks, NodeTiming(exec_s=0.5), bytes_in
+    )
 
 
 def drive(core: SchedulerCore, now: float = 0.0, fail_on=None) -> list:
@@ -80,7 +97,7 @@ def test_a_request_runs_every_node_in_dependency_order_and_finishes_with_its_ima
     pending = first
     while pending:
         d = pending.pop(0)
-        for name, inp in d.msg.inputs.items():
+        for inp in d.msg.inputs.values():
             if isinstance(inp, TensorInput):  # inputs carry the producer's metadata
                 assert inp.meta.tensor_id.split("/")[2] in seen
         effects = core.on_complete(complete(d, bytes_in=7), 1.0)
@@ -120,7 +137,12 @@ def test_best_fit_prefers_resident_model_then_local_inputs_then_least_loaded():
     assert best_fit(node, [b, c, a, cannot]).id == "a"
     assert best_fit(node, [c, b, d]).id == "b"
     far = ReadyNode("r/1/n", "r", "n", "t", "toy.denoiser", "m", 0, 0.0, 0.0)
-    assert best_fit(far, [ExecutorInfo("p", frozenset(FNS), load=2.0), ExecutorInfo("q", frozenset(FNS), load=1.0)]).id == "q"
+    assert (
+        best_fit(
+            far, [ExecutorInfo("p", frozenset(FNS), load=2.0), ExecutorInfo("q", frozenset(FNS), load=1.0)]
+        ).id
+        == "q"
+    )
     assert best_fit(far, [cannot]) is None
 
 

@@ -72,7 +72,9 @@ def test_unrolling_makes_one_denoiser_node_per_step_with_the_step_index_as_a_con
     params = resolve_params(spec, {"prompt": "a cat", "num_inference_steps": 4})
     dag = unroll(spec, params, outputs_of={k: tuple(v.outputs) for k, v in CATALOG.items()})
     ids = list(dag.nodes)
-    assert ids == ["encode", "prepare"] + [f"{n}@{i}" for i in range(4) for n in ("denoiser", "step")] + ["decode"]
+    assert ids == ["encode", "prepare"] + [f"{n}@{i}" for i in range(4) for n in ("denoiser", "step")] + [
+        "decode"
+    ]
     assert dag.nodes["denoiser@2"].inputs["step"] == Const(2)
     assert dag.nodes["denoiser@0"].inputs["latents"] == TensorSource("prepare", "latents")
     assert dag.nodes["denoiser@3"].inputs["latents"] == TensorSource("step@2", "latents")
@@ -84,7 +86,13 @@ def test_unrolling_makes_one_denoiser_node_per_step_with_the_step_index_as_a_con
     assert dag.consumers[TensorSource("prepare", "timesteps")] == 4
     assert dag.consumers[TensorSource("step@1", "latents")] == 2
     assert dag.roots() == ["encode", "prepare"]
-    assert sorted(dag.successors["prepare"]) == ["denoiser@0", "denoiser@1", "denoiser@2", "denoiser@3", "step@0"]
+    assert sorted(dag.successors["prepare"]) == [
+        "denoiser@0",
+        "denoiser@1",
+        "denoiser@2",
+        "denoiser@3",
+        "step@0",
+    ]
     for node in dag.nodes.values():  # topological: every dependency comes earlier
         assert all(dag.nodes[d].order < node.order for d in node.deps)
 
@@ -162,8 +170,23 @@ def test_hand_written_spec_without_inputs_is_bound_by_name_in_program_order():
 def test_a_cycle_is_rejected_and_named():
     spec = hand_spec(
         body=[
-            {"type": "call", "id": "a", "fn": "toy.step", "inputs": {"noise_pred": "b.noise_pred", "latents": "b.noise_pred"}, "consts": {"step": 0}},
-            {"type": "call", "id": "b", "fn": "toy.controlled_denoiser", "inputs": {"latents": "a.latents", "prompt_embeds": "a.latents", "control_outputs": "a.latents"}},
+            {
+                "type": "call",
+                "id": "a",
+                "fn": "toy.step",
+                "inputs": {"noise_pred": "b.noise_pred", "latents": "b.noise_pred"},
+                "consts": {"step": 0},
+            },
+            {
+                "type": "call",
+                "id": "b",
+                "fn": "toy.controlled_denoiser",
+                "inputs": {
+                    "latents": "a.latents",
+                    "prompt_embeds": "a.latents",
+                    "control_outputs": "a.latents",
+                },
+            },
             {"type": "call", "id": "dec", "fn": "toy.decode", "inputs": {"latents": "a.latents"}},
         ]
     )
@@ -183,7 +206,9 @@ def test_forward_references_are_allowed_when_acyclic_and_get_sorted():
 
 def test_an_input_nobody_produces_is_rejected_naming_the_field():
     spec = hand_spec(body=[{"type": "call", "id": "dec", "fn": "toy.decode"}])
-    assert problems_of(spec) == ["body[0].inputs.latents: input 'latents' of toy.decode is bound to nothing: no value named 'latents' precedes it"]
+    assert problems_of(spec) == [
+        "body[0].inputs.latents: input 'latents' of toy.decode is bound to nothing: no value named 'latents' precedes it"
+    ]
 
 
 def test_an_unknown_modelfn_is_rejected():
@@ -197,15 +222,27 @@ def test_references_to_missing_nodes_outputs_params_and_loop_internals_are_rejec
         body=[
             {"type": "call", "id": "enc", "fn": "toy.encode", "inputs": {"prompt": "param:nope"}},
             {"type": "call", "id": "prep", "fn": "toy.prepare", "inputs": {"seed": "enc.missing"}},
-            {"type": "loop", "id": "lp", "count": 2, "carry": {"latents": "prep.latents"}, "update": {"latents": "st.latents"},
-             "body": [{"type": "call", "id": "st", "fn": "toy.step", "inputs": {"noise_pred": "var:latents"}}]},
+            {
+                "type": "loop",
+                "id": "lp",
+                "count": 2,
+                "carry": {"latents": "prep.latents"},
+                "update": {"latents": "st.latents"},
+                "body": [
+                    {"type": "call", "id": "st", "fn": "toy.step", "inputs": {"noise_pred": "var:latents"}}
+                ],
+            },
             {"type": "call", "id": "dec", "fn": "toy.decode", "inputs": {"latents": "st.latents"}},
         ]
     )
     msgs = problems_of(spec)
     assert "body[0].inputs.prompt: 'param:nope': no such parameter" in msgs
-    assert any(m.startswith("body[1].inputs.seed: 'enc.missing': 'enc' has no output 'missing'") for m in msgs)
-    assert "body[3].inputs.latents: 'st.latents': 'st' is inside a loop; use that loop's carried values" in msgs
+    assert any(
+        m.startswith("body[1].inputs.seed: 'enc.missing': 'enc' has no output 'missing'") for m in msgs
+    )
+    assert (
+        "body[3].inputs.latents: 'st.latents': 'st' is inside a loop; use that loop's carried values" in msgs
+    )
 
 
 def test_bad_parameter_types_and_bounds_are_rejected():
