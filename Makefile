@@ -1,0 +1,44 @@
+# The two set-up commands of the README: `make run` and `make test`. Each creates .venv when missing,
+# installs the project (torch==2.13.0 first: the CPU build on disk; a bare `torch` would pull a
+# multi-GB CUDA build), and starts NATS (JetStream) and Redis on 127.0.0.1 where none answers.
+
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: run test lint bench install brokers models compose-check clean
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -e '.[executor,local,test]'
+	@touch $@
+
+install: $(STAMP)
+
+brokers: install
+	$(BIN)/python -m libs.launcher.brokers
+
+models: install
+	$(BIN)/python -m libs.models.build --out models --preset tiny
+
+run: install
+	$(BIN)/python -m libs.launcher
+
+test: install brokers
+	$(BIN)/python -m pytest
+
+lint: install
+	$(BIN)/ruff check libs services tests bench
+	$(BIN)/ruff format --check libs services tests bench
+
+bench: install brokers
+	$(BIN)/python bench/overhead.py
+
+compose-check: install
+	$(BIN)/docker-compose -f deploy/compose.yaml config --quiet
+
+clean:
+	rm -rf $(VENV) models var out
