@@ -88,7 +88,13 @@ def main() -> int:
         return time.perf_counter() - t0, np.array(img)
 
     def decomposed() -> tuple[float, np.ndarray]:
-        body = {"model": "bench-flux", "prompt": prompt, "seed": seed, "num_inference_steps": args.steps, "size": args.size}
+        body = {
+            "model": "bench-flux",
+            "prompt": prompt,
+            "seed": seed,
+            "num_inference_steps": args.steps,
+            "size": args.size,
+        }
         t0 = time.perf_counter()
         status, resp = stack.http("POST", "/v1/images/generations", body)
         dt = time.perf_counter() - t0
@@ -118,16 +124,29 @@ def main() -> int:
 
     m_mono, m_dec = statistics.median(t_mono), statistics.median(t_dec)
     nodes = 4 + 2 * args.steps
-    print(f"bench-flux: {n_params / 1e6:.1f}M-parameter DiT, {args.size}, {args.steps} steps, {nodes} nodes, 1 thread per executor")
+    print(
+        f"bench-flux: {n_params / 1e6:.1f}M-parameter DiT, {args.size}, {args.steps} steps, {nodes} nodes, 1 thread per executor"
+    )
     print(f"images identical (decomposed vs monolithic, every run): {identical}")
     print(f"{'':28s}{'median s':>10s}{'min s':>8s}{'max s':>8s}")
     print(f"{'monolithic FluxPipeline':28s}{m_mono:10.3f}{min(t_mono):8.3f}{max(t_mono):8.3f}")
     print(f"{'decomposed (2 executors)':28s}{m_dec:10.3f}{min(t_dec):8.3f}{max(t_dec):8.3f}")
-    print(f"ratio decomposed / monolithic: {m_dec / m_mono:.3f}  (overhead {1000 * (m_dec - m_mono) / nodes:+.1f} ms per node)")
+    print(
+        f"ratio decomposed / monolithic: {m_dec / m_mono:.3f}  (overhead {1000 * (m_dec - m_mono) / nodes:+.1f} ms per node)"
+    )
     out = REPO / "bench" / "results"
     out.mkdir(parents=True, exist_ok=True)
     (out / "overhead.json").write_text(
-        json.dumps({"mono_s": t_mono, "decomposed_s": t_dec, "ratio": m_dec / m_mono, "identical": identical, "steps": args.steps}, indent=1)
+        json.dumps(
+            {
+                "mono_s": t_mono,
+                "decomposed_s": t_dec,
+                "ratio": m_dec / m_mono,
+                "identical": identical,
+                "steps": args.steps,
+            },
+            indent=1,
+        )
     )
     return 0 if identical else 1
 

@@ -141,6 +141,7 @@ class NodeFailed(_Msg, tag="node_failed"):
     node_id: str
     error: str
     retryable: bool = False
+    unreachable: str = ""  # a producer whose tensor could not be read (evidence it is gone)
 
     @property
     def key(self) -> str:

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from libs.dataplane.errors import DataPlaneError
+from libs.dataplane.errors import DataPlaneError, TransportError
 from libs.dataplane.meta import TensorMeta, check_meta
 from libs.dataplane.store import TensorStore
 from libs.protocol.messages import ConstInput, Dispatch, NodeTiming, tensor_id
@@ -34,9 +34,10 @@ log = logging.getLogger(__name__)
 class NodeError(Exception):
     """A node failed; ``retryable`` says whether running it again (anywhere) can help."""
 
-    def __init__(self, message: str, retryable: bool = False) -> None:
+    def __init__(self, message: str, retryable: bool = False, unreachable: str = "") -> None:
         super().__init__(message)
         self.retryable = retryable
+        self.unreachable = unreachable  # the producer whose tensor could not be read, if that is why
 
 
 @dataclass
@@ -158,6 +159,10 @@ class NodeRunner:
             t0 = time.perf_counter()
             try:
                 lease = self.store.open(check_meta(meta))
+            except TransportError as e:
+                raise NodeError(
+                    f"input {meta.tensor_id}: {e}", retryable=True, unreachable=meta.executor
+                ) from e
             except DataPlaneError as e:
                 raise NodeError(f"input {meta.tensor_id}: {e}", retryable=e.retryable) from e
             leases.append(lease)

@@ -169,7 +169,9 @@ class ExecutorService:
             sinks = await self._upload(d, outcome)
         except NodeError as e:
             log.warning("node %s failed: %s", d.key, e)
-            await self._finish(NodeFailed(self.id, d.request_id, d.attempt, d.node_id, str(e), e.retryable))
+            await self._finish(
+                NodeFailed(self.id, d.request_id, d.attempt, d.node_id, str(e), e.retryable, e.unreachable)
+            )
             return
         except Exception as e:  # noqa: BLE001 - never let one node take the executor down
             log.exception("node %s crashed", d.key)

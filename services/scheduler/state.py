@@ -388,6 +388,17 @@ class SchedulerCore:
         run = self.runs.get(msg.request_id)
         if run is None or run.attempt != msg.attempt or run.running.get(msg.node_id) != msg.executor:
             return []
+        if msg.unreachable and msg.unreachable != msg.executor and msg.unreachable in self.executors:
+            # The node could not read a producer's tensor: treat the producer as lost now rather
+            # than retrying until its heartbeat times out. That restarts this request (and every
+            # other that needs its tensors); a producer that is in fact alive rejoins on its next beat.
+            run.running.pop(msg.node_id, None)
+            effects = self.remove_executor(
+                msg.unreachable, now, f"unreachable from {msg.executor}: {msg.error}"
+            )
+            if self.runs.get(msg.request_id) is not run:
+                return effects
+            run.running[msg.node_id] = msg.executor
         if msg.retryable and run.retries.get(msg.node_id, 0) < self.max_node_retries:
             return self._requeue(msg.key, msg.executor, now, reason=msg.error)
         node = run.dag.nodes[msg.node_id]

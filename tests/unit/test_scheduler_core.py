@@ -239,3 +239,27 @@ def test_a_completion_missing_an_output_that_others_read_fails_the_request():
     bad = NodeComplete("e1", "r1", 1, d.msg.node_id, outputs={})
     (f,) = [e for e in core.on_complete(bad, 0.1) if isinstance(e, Finished)]
     assert f.result.status == "failed" and "returned no ['prompt_embeds']" in f.result.error
+
+
+def test_a_node_that_cannot_read_a_dead_producers_tensor_restarts_the_request_at_once():
+    core = SchedulerCore(fifo, heartbeat_timeout_s=30.0)
+    core.on_heartbeat(hb("e1"), 0.0)
+    core.on_heartbeat(hb("e2"), 0.0)
+    core.add_request(request(), toy_dag(), attempt=1, now=0.0)
+    first = dispatches(core.schedule(0.0))
+    for d in first:
+        core.on_complete(complete(d), 0.1)
+    consumer = next(d for d in dispatches(core.schedule(0.1)))
+    producer = next(
+        i.meta.executor
+        for i in consumer.msg.inputs.values()
+        if isinstance(i, TensorInput) and i.meta.executor != consumer.executor
+    )
+    failed = NodeFailed(
+        consumer.executor, "r1", 1, consumer.msg.node_id, "peer gone", retryable=True, unreachable=producer
+    )
+    effects = core.on_failed(failed, 0.2)  # long before the heartbeat timeout
+    assert ReleaseAttempt("r1", 1) in effects
+    assert core.runs["r1"].attempt == 2 and producer not in core.executors
+    (f,) = [e for e in drive(core, 0.3) if isinstance(e, Finished)]
+    assert f.result.status == "succeeded" and f.result.executors == [consumer.executor]
