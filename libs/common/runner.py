@@ -7,8 +7,13 @@ long-lived task dies, shut down cleanly and exit non-zero so the supervisor rest
 from __future__ import annotations
 
 import asyncio
+import io
+import logging
 import signal
 from collections.abc import Awaitable
+
+log = logging.getLogger(__name__)
+STOP_GRACE_S = 5.0
 
 
 async def run_service(*tasks: Awaitable[None]) -> None:
@@ -28,6 +33,18 @@ async def run_service(*tasks: Awaitable[None]) -> None:
     finally:
         for t in [waiter, *running]:
             t.cancel()
-        await asyncio.gather(waiter, *running, return_exceptions=True)
+        _, stuck = await asyncio.wait([waiter, *running], timeout=STOP_GRACE_S)
+        for t in stuck:  # a task that ignores cancellation must not keep the process alive
+            buf = io.StringIO()
+            t.print_stack(file=buf)
+            log.error("task did not stop within %.0fs:\n%s", STOP_GRACE_S, buf.getvalue())
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
+
+
+async def close_quietly(aw: Awaitable[object], what: str, grace_s: float = STOP_GRACE_S) -> None:
+    """Await a shutdown step (``nc.drain()``, ``redis.aclose()``) without letting it hang the exit."""
+    try:
+        await asyncio.wait_for(aw, grace_s)
+    except Exception as e:  # noqa: BLE001 - at exit, a failed close is only worth a line
+        log.warning("closing %s: %s", what, e or type(e).__name__)

@@ -82,7 +82,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.no_wait:
             return 0
         print("\nserving; Ctrl-C stops everything this command started")
-        signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+        # Stop on Ctrl-C and on SIGTERM, even when started with SIGINT ignored (a background job).
+        signal.signal(signal.SIGINT, _interrupt)
+        signal.signal(signal.SIGTERM, _interrupt)
         while all(p.poll() is None for p in stack.procs.values()):
             time.sleep(0.5)
         dead = [n for n, p in stack.procs.items() if p.poll() is not None]
@@ -99,6 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         stack.stop()
         brokers.stop(started)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def curl_command(url: str, out: str) -> str:

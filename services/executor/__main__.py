@@ -13,7 +13,7 @@ from libs.common.config import load_config
 from libs.common.jetstream import ensure_images_bucket
 from libs.common.logs import setup_logging
 from libs.common.nats_conn import connect
-from libs.common.runner import run_service
+from libs.common.runner import close_quietly, run_service
 from libs.common.settings import common_settings
 from libs.protocol.subjects import Subjects
 from services.executor.config import ExecutorConfig
@@ -82,8 +82,8 @@ async def main() -> None:
     try:
         await run_service(service.heartbeat_loop())
     finally:
-        await service.stop()
-        await nc.drain()
+        await close_quietly(service.stop(), "service")
+        await close_quietly(nc.drain(), "nats")
         del runner, store
         transport.close()
 

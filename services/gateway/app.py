@@ -30,6 +30,7 @@ from redis.asyncio import Redis
 
 from libs.common.nats_conn import connect
 from libs.common.registry_client import RegistryUnavailable, WorkflowNotFound
+from libs.common.runner import close_quietly
 from libs.common.settings import CommonSettings
 from libs.protocol.keys import Keys
 from libs.protocol.messages import ImageRef, ImageRequest, RequestResult
@@ -279,9 +280,9 @@ async def _bridge_ctx(app: web.Application) -> AsyncIterator[None]:
     await bridge.start()
     app[BRIDGE] = bridge
     yield
-    await bridge.stop()
-    await nc.drain()
-    await redis.aclose()
+    await close_quietly(bridge.stop(), "bridge")
+    await close_quietly(nc.drain(), "nats")
+    await close_quietly(redis.aclose(), "redis")
 
 
 def make_app(cfg: GatewayConfig, common: CommonSettings, keys: ApiKeys) -> web.Application:

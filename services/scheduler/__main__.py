@@ -9,7 +9,7 @@ from redis.asyncio import Redis
 from libs.common.config import load_config
 from libs.common.logs import setup_logging
 from libs.common.nats_conn import connect
-from libs.common.runner import run_service
+from libs.common.runner import close_quietly, run_service
 from libs.common.settings import common_settings
 from libs.protocol.keys import Keys
 from libs.protocol.subjects import Subjects
@@ -44,9 +44,9 @@ async def main() -> None:
     try:
         await run_service(*service.tasks())
     finally:
-        await service.stop()
-        await nc.drain()
-        await redis.aclose()
+        await close_quietly(service.stop(), "service")
+        await close_quietly(nc.drain(), "nats")
+        await close_quietly(redis.aclose(), "redis")
 
 
 if __name__ == "__main__":

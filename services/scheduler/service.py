@@ -103,6 +103,14 @@ class SchedulerService:
         return [self.intake_loop(), self.io_loop(), self.tick_loop(), self.progress_loop()]
 
     async def stop(self) -> None:
+        if self._pull is not None:
+            # nats-py's drain waits for a pull subscription's queue to empty, which status messages
+            # arriving after the last fetch never do: unsubscribe it first.
+            try:
+                await self._pull.unsubscribe()
+            except Exception:  # noqa: BLE001 - connection may be gone
+                pass
+            self._pull = None
         for sub in self._subs:
             try:
                 await sub.unsubscribe()
@@ -114,14 +122,13 @@ class SchedulerService:
 
     # -- intake ---------------------------------------------------------------------------------------
     async def intake_loop(self) -> None:
-        assert self._pull is not None
-        while True:
+        while self._pull is not None:
             room = self.cfg.max_active - self.core.active
             if room <= 0:
                 await asyncio.sleep(self.cfg.tick_s)  # backpressure: requests wait in JetStream
                 continue
             try:
-                msgs = await self._pull.fetch(batch=min(room, 32), timeout=1.0)
+                msgs = await self._pull.fetch(batch=min(room, 32), timeout=1.0)  # type: ignore[union-attr]
             except (NatsTimeoutError, TimeoutError):
                 continue
             for m in msgs:
