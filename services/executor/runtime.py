@@ -189,7 +189,7 @@ class NodeRunner:
             fetch_s_before = fetch["s"]
             self._sync()
             t0 = time.perf_counter()
-            with torch.inference_mode():
+            with torch.no_grad():
                 outs = fn.execute(components, **inputs)
             self._sync()
             # Callback fetches happen inside execute; count them as transfer, not compute.

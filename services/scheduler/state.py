@@ -440,30 +440,20 @@ class SchedulerCore:
         ]
 
     def _succeed(self, run: RequestRun) -> list[Effect]:
-        del self.runs[run.request_id]
-        result = RequestResult(
-            request_id=run.request_id,
-            status="succeeded",
-            images=dict(run.sinks),
-            nodes=len(run.dag.nodes),
-            executors=sorted(run.executors),
-            bytes_moved=run.bytes_moved,
-            gpu_s=run.gpu_s,
-        )
-        return [
-            ReleaseAttempt(run.request_id, run.attempt),
-            self._persist(run, status="succeeded", drop_tensors=True),
-            Finished(result, run.req.tenant),
-        ]
+        return self._end(run, "succeeded")
 
     def _fail(self, run: RequestRun, error: str, code: str) -> list[Effect]:
-        # Executors still computing nodes of this run keep ``running`` set; their completions
+        log.warning("request %s failed: %s", run.request_id, error)
+        return self._end(run, "failed", error, code)
+
+    def _end(self, run: RequestRun, status: str, error: str = "", code: str = "") -> list[Effect]:
+        # Executors still computing nodes of a failed run keep ``running`` set; their completions
         # arrive stale, free the executor and release the attempt's tensors again.
         self.runs.pop(run.request_id, None)
-        log.warning("request %s failed: %s", run.request_id, error)
         result = RequestResult(
             request_id=run.request_id,
-            status="failed",
+            status=status,  # type: ignore[arg-type]
+            images=dict(run.sinks) if status == "succeeded" else {},
             error=error,
             error_code=code,
             nodes=len(run.dag.nodes),
@@ -471,9 +461,10 @@ class SchedulerCore:
             bytes_moved=run.bytes_moved,
             gpu_s=run.gpu_s,
         )
+        extra = {"error": error} if error else {}
         return [
             ReleaseAttempt(run.request_id, run.attempt),
-            self._persist(run, status="failed", error=error, drop_tensors=True),
+            self._persist(run, status=status, drop_tensors=True, **extra),
             Finished(result, run.req.tenant),
         ]
 
