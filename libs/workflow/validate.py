@@ -93,7 +93,7 @@ class _Validator:
             path = f"params.{name}"
             if not IDENT.match(name):
                 self.problem(path, "parameter names must be identifiers")
-            values = [("default", p.default)] if p.default is not None else []
+            values: list[tuple[str, object]] = [("default", p.default)] if p.default is not None else []
             values += [(f"choices[{i}]", c) for i, c in enumerate(p.choices or [])]
             for where, v in values:
                 if not _has_type(v, p.type):

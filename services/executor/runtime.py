@@ -10,6 +10,7 @@ only when ``execute`` reaches the point that needs them.
 
 from __future__ import annotations
 
+import functools
 import io
 import logging
 import os
@@ -54,6 +55,12 @@ class NodeOutcome:
     timing: NodeTiming
     bytes_in: int
     reads: list[TensorMeta] = field(default_factory=list)  # inputs to release at their producers
+
+
+@dataclass
+class _FetchStats:
+    seconds: float = 0.0
+    nbytes: int = 0  # pulled from other executors (local inputs are zero-copy views)
 
 
 def resolve_model_path(model: str, root: Path) -> str:
@@ -153,7 +160,7 @@ class NodeRunner:
 
         leases: list[Any] = []
         reads: list[TensorMeta] = []
-        fetch = {"s": 0.0, "bytes": 0}
+        fetch = _FetchStats()
 
         def pull(meta: TensorMeta) -> torch.Tensor:
             t0 = time.perf_counter()
@@ -169,9 +176,9 @@ class NodeRunner:
             tensor = lease.tensor
             if tensor.device != self.device:
                 tensor = tensor.to(self.device, non_blocking=False)
-            fetch["s"] += time.perf_counter() - t0
+            fetch.seconds += time.perf_counter() - t0
             if meta.executor != self.store.executor_id:
-                fetch["bytes"] += meta.nbytes
+                fetch.nbytes += meta.nbytes
             return tensor
 
         inputs: dict[str, Any] = {}
@@ -182,18 +189,17 @@ class NodeRunner:
                     continue
                 reads.append(inp.meta)
                 if declared[name]:  # callback input: fetched when execute reaches it (§5.2)
-                    meta = inp.meta
-                    inputs[name] = Deferred(name, lambda meta=meta: pull(meta))
+                    inputs[name] = Deferred(name, functools.partial(pull, inp.meta))
                 else:
                     inputs[name] = pull(inp.meta)
-            fetch_s_before = fetch["s"]
+            fetch_s_before = fetch.seconds
             self._sync()
             t0 = time.perf_counter()
             with torch.no_grad():
                 outs = fn.execute(components, **inputs)
             self._sync()
             # Callback fetches happen inside execute; count them as transfer, not compute.
-            exec_s = time.perf_counter() - t0 - (fetch["s"] - fetch_s_before)
+            exec_s = time.perf_counter() - t0 - (fetch.seconds - fetch_s_before)
         except NodeError:
             raise
         except torch.OutOfMemoryError as e:
@@ -226,5 +232,5 @@ class NodeRunner:
         for lease in leases:
             lease.close()
         leases.clear()
-        timing = NodeTiming(load_s=load_s, fetch_s=fetch["s"], exec_s=max(exec_s, 0.0), store_s=store_s)
-        return NodeOutcome(outputs=metas, pngs=pngs, timing=timing, bytes_in=fetch["bytes"], reads=reads)
+        timing = NodeTiming(load_s=load_s, fetch_s=fetch.seconds, exec_s=max(exec_s, 0.0), store_s=store_s)
+        return NodeOutcome(outputs=metas, pngs=pngs, timing=timing, bytes_in=fetch.nbytes, reads=reads)

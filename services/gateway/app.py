@@ -93,8 +93,9 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
 async def read_json(request: web.Request) -> object:
     try:
         raw = await request.read()
-    except web.HTTPRequestEntityTooLarge as e:
-        raise ApiError(413, f"request body too large (limit {e.max_size} bytes)") from None
+    except web.HTTPRequestEntityTooLarge:
+        limit = request.app[CONFIG].max_body_mb
+        raise ApiError(413, f"request body too large (limit {limit:g} MiB)", code="too_large") from None
     if not raw:
         raise ApiError(400, "the request body is empty; send a JSON object", code="invalid_json")
     try:

@@ -15,6 +15,7 @@ import time
 import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.js.errors import ObjectNotFoundError
 from nats.js.object_store import ObjectStore
 from redis.asyncio import Redis
@@ -40,7 +41,7 @@ class Bridge:
         self.registry = RegistryClient(nc, subjects)
         self.images: ObjectStore | None = None
         self._waiters: dict[str, asyncio.Future[RequestResult]] = {}
-        self._sub = None
+        self._sub: Subscription | None = None
 
     async def start(self) -> None:
         await ensure_intake_stream(self.js, self.subjects)

@@ -20,6 +20,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig
 from redis.asyncio import Redis
 
@@ -80,7 +81,7 @@ class SchedulerService:
         self._io: asyncio.Queue[Effect] = asyncio.Queue(maxsize=100_000)
         self._tasks: set[asyncio.Task] = set()
         self._subs: list = []
-        self._pull = None
+        self._pull: JetStreamContext.PullSubscription | None = None
 
     # -- lifecycle ----------------------------------------------------------------------------------
     async def start(self) -> None:

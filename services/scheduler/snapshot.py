@@ -62,8 +62,8 @@ def best_fit(node: ReadyNode, executors: Iterable[ExecutorInfo]) -> ExecutorInfo
     local (no transfer), then the least loaded; the id breaks ties so the choice is deterministic.
     """
     local: dict[str, int] = {}
-    for ex, nbytes in node.inputs:
-        local[ex] = local.get(ex, 0) + nbytes
+    for holder, nbytes in node.inputs:
+        local[holder] = local.get(holder, 0) + nbytes
     best: tuple | None = None
     choice: ExecutorInfo | None = None
     for ex in executors:

@@ -367,9 +367,9 @@ class SchedulerCore:
             if src in run.dag.consumers:
                 run.tensors[src] = meta
                 new_tensors[meta.tensor_id] = meta
-        for src in node.inputs.values():
-            if isinstance(src, TensorSource):
-                run.reads_left[src] = run.reads_left.get(src, 1) - 1
+        for inp in node.inputs.values():
+            if isinstance(inp, TensorSource):
+                run.reads_left[inp] = run.reads_left.get(inp, 1) - 1
         for out, ref in msg.sinks.items():
             run.sinks[sinks[out]] = ref
         for succ in run.dag.successors[node.id]:
@@ -461,10 +461,9 @@ class SchedulerCore:
             bytes_moved=run.bytes_moved,
             gpu_s=run.gpu_s,
         )
-        extra = {"error": error} if error else {}
         return [
             ReleaseAttempt(run.request_id, run.attempt),
-            self._persist(run, status=status, drop_tensors=True, **extra),
+            self._persist(run, status=status, drop_tensors=True, error=error),
             Finished(result, run.req.tenant),
         ]
 
@@ -486,7 +485,7 @@ class SchedulerCore:
             "bytes_moved": run.bytes_moved,
             "gpu_s": round(run.gpu_s, 6),
             "executors": ",".join(sorted(run.executors)),
-            **extra,
+            **{k: v for k, v in extra.items() if v},
         }
         return PersistRequest(run.request_id, fields, tensors or {}, drop_tensors)
 

@@ -161,3 +161,11 @@ async def test_refused_requests_never_reach_the_intake(api):
         assert (await client.post("/v1/images/generations", json=body, headers=USER)).status == 422
     info = await nc.jetstream().stream_info(Subjects(common.namespace).intake_stream)
     assert info.state.messages == 0
+
+
+async def test_an_oversized_body_gets_413_and_the_gateway_keeps_serving(api):
+    client, _, _ = api
+    huge = b'{"model": "tiny-flux", "prompt": "' + b"x" * (9 << 20) + b'"}'
+    err = await error_of(await client.post("/v1/images/generations", data=huge, headers=USER), 413)
+    assert "too large" in err["message"]
+    assert (await client.get("/v1/workflows", headers=USER)).status == 200
