@@ -6,7 +6,10 @@
 | ``{ns}:wf:{name}`` | hash | version -> spec JSON (immutable once written) |
 | ``{ns}:req:{request_id}`` | hash | request state: status, tenant, workflow, nodes done/total, result, error |
 | ``{ns}:tensors:{request_id}`` | hash | tensor id -> TensorMeta JSON of live intermediate tensors |
-| ``{ns}:vtime`` | hash | tenant -> cumulative vTime (GPU seconds) |
+| ``{ns}:vtime`` | hash | tenant -> cumulative vTime (GPU seconds, estimates corrected, lifts) |
+| ``{ns}:ops`` | hash | tenant -> dispatched ModelFn executions (the VTC baseline's counter) |
+| ``{ns}:service`` | hash | tenant -> measured GPU seconds received (no estimates, no lifts) |
+| ``{ns}:tenants`` | hash | tenant -> JSON operator view (vTime, service, queued/running), refreshed each second |
 """
 
 from __future__ import annotations
@@ -34,6 +37,18 @@ class Keys:
     @property
     def vtime(self) -> str:
         return f"{self.ns}:vtime"
+
+    @property
+    def ops(self) -> str:
+        return f"{self.ns}:ops"
+
+    @property
+    def service(self) -> str:
+        return f"{self.ns}:service"
+
+    @property
+    def tenants(self) -> str:
+        return f"{self.ns}:tenants"
 
     def pattern(self) -> str:
         """Matches every key of this namespace (tests delete them with it)."""

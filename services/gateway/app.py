@@ -6,6 +6,7 @@
 | ``GET /v1/images/files/{request_id}/{name}`` | the tenant that made it | a generated PNG (``response_format: url``) |
 | ``POST /v1/workflows`` | admin | register a workflow spec (versioned) |
 | ``GET /v1/workflows``, ``GET /v1/workflows/{name}`` | tenant | list / look up workflows |
+| ``GET /v1/admin/tenants`` | admin | per-tenant vTime, service, queued/running counts |
 | ``GET /healthz`` | anyone | the process is up |
 | ``GET /readyz`` | anyone | NATS is connected and a registry answers |
 | ``GET /metrics`` | anyone | Prometheus counters |
@@ -252,6 +253,16 @@ async def get_workflow(request: web.Request) -> web.Response:
     return web.json_response({"workflow": json.loads(encode_spec(spec))})
 
 
+# -- admin ---------------------------------------------------------------------------------------------
+async def admin_tenants(request: web.Request) -> web.Response:
+    """Per-tenant cumulative vTime, measured service and queued/running work (operator view)."""
+    if not request[PRINCIPAL].admin:
+        raise ApiError(403, "the tenant view needs an admin API key", code="forbidden")
+    view = await request.app[BRIDGE].tenant_view()
+    data = [{"tenant": t, **v} for t, v in sorted(view.items())]
+    return web.json_response({"object": "list", "data": data})
+
+
 # -- operations ----------------------------------------------------------------------------------------
 async def healthz(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
@@ -301,6 +312,7 @@ def make_app(cfg: GatewayConfig, common: CommonSettings, keys: ApiKeys) -> web.A
     app.router.add_post("/v1/workflows", register_workflow)
     app.router.add_get("/v1/workflows", list_workflows)
     app.router.add_get("/v1/workflows/{name}", get_workflow)
+    app.router.add_get("/v1/admin/tenants", admin_tenants)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)

@@ -124,6 +124,25 @@ class Bridge:
                 log.debug("could not delete %s: %s", ref.name, e)
         return res.data
 
+    async def tenant_view(self) -> dict[str, dict]:
+        """Per-tenant counters (Redis, written atomically by the scheduler) and its operator view."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hgetall(self.keys.vtime)
+        pipe.hgetall(self.keys.service)
+        pipe.hgetall(self.keys.ops)
+        pipe.hgetall(self.keys.tenants)
+        vtime, service, ops, view = await pipe.execute()
+        out: dict[str, dict] = {}
+        for raw_tenant, raw in view.items():
+            try:
+                out[raw_tenant.decode()] = msgspec.json.decode(raw)
+            except msgspec.DecodeError:
+                continue
+        for key, table, conv in (("vtime_s", vtime, float), ("service_s", service, float), ("ops", ops, int)):
+            for raw_tenant, raw in table.items():
+                out.setdefault(raw_tenant.decode(), {})[key] = conv(raw)
+        return out
+
     async def request_tenant(self, request_id: str) -> str | None:
         t = await self.redis.hget(self.keys.request(request_id), "tenant")
         return t.decode() if t else None

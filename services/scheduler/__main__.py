@@ -24,7 +24,7 @@ async def main() -> None:
     cfg = load_config(SchedulerConfig, "T2I_SCHEDULER_")
     log = setup_logging("scheduler", common.log_level)
     core = SchedulerCore(
-        get_policy(cfg.policy),
+        get_policy(cfg.policy, cfg.slack_s),
         heartbeat_timeout_s=cfg.heartbeat_timeout_s,
         max_node_retries=cfg.max_node_retries,
         max_restarts=cfg.max_restarts,
@@ -40,7 +40,8 @@ async def main() -> None:
         cfg=cfg,
     )
     await service.start()
-    log.info("scheduler ready (policy %s, namespace %s)", cfg.policy, common.namespace)
+    slack = f", slack {cfg.slack_s:g}s" if cfg.policy == "fair" else ""
+    log.info("scheduler ready (policy %s%s, namespace %s)", cfg.policy, slack, common.namespace)
     try:
         await run_service(*service.tasks())
     finally:

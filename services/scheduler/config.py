@@ -6,7 +6,8 @@ import msgspec
 
 
 class SchedulerConfig(msgspec.Struct, forbid_unknown_fields=True):
-    policy: str = "fifo"
+    policy: str = "fair"  # "fair" (Algorithm 1), or the baselines "fifo", "sjf", "vtc"
+    slack_s: float = 5.0  # the fair policy's Δ: vTime a tenant may lead the least-served one by
     tick_s: float = 0.2  # how often deadlines and executor liveness are checked
     heartbeat_timeout_s: float = 5.0  # an executor silent this long is gone
     dispatch_timeout_s: float = 2.0  # an executor that does not ack a dispatch this fast is suspect

@@ -44,14 +44,16 @@ from libs.workflow.dag import unroll
 from libs.workflow.errors import ParamError
 from libs.workflow.params import resolve_params
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.state import (
+from services.scheduler.effects import (
+    ChargeVTime,
     Effect,
     Finished,
     PersistRequest,
     ReleaseAttempt,
-    SchedulerCore,
     SendDispatch,
 )
+from services.scheduler.state import SchedulerCore
+from services.scheduler.vtime_store import VTimeStore
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +79,7 @@ class SchedulerService:
         self.core = core
         self.cfg = cfg
         self.registry = RegistryClient(nc, subjects)
+        self.vtimes = VTimeStore(redis, keys)
         self._intake_msgs: dict[str, Msg] = {}  # request id -> its JetStream message (acked at the end)
         self._io: asyncio.Queue[Effect] = asyncio.Queue(maxsize=100_000)
         self._tasks: set[asyncio.Task] = set()
@@ -85,6 +88,12 @@ class SchedulerService:
 
     # -- lifecycle ----------------------------------------------------------------------------------
     async def start(self) -> None:
+        vtime, ops, service = await self.vtimes.load()
+        self.core.accounts.load(vtime, ops, service)
+        if vtime:
+            log.info(
+                "resumed tenant vTime from Redis: %s", {t: round(v, 3) for t, v in sorted(vtime.items())}
+            )
         await ensure_intake_stream(self.js, self.subjects)
         self._pull = await self.js.pull_subscribe(
             self.subjects.intake,
@@ -234,6 +243,11 @@ class SchedulerService:
             e = await self._io.get()
             try:
                 match e:
+                    case ChargeVTime():
+                        v, _, _ = await self.vtimes.apply(e)
+                        mine = self.core.accounts[e.tenant].vtime
+                        if abs(v - mine) > 1e-6 * max(1.0, abs(v)):
+                            log.warning("vTime of %s is %.6f in Redis, %.6f here", e.tenant, v, mine)
                     case PersistRequest():
                         await self._persist(e)
                     case ReleaseAttempt(request_id=rid, attempt=attempt):
@@ -282,7 +296,7 @@ class SchedulerService:
 
     # -- timers ---------------------------------------------------------------------------------------------
     async def tick_loop(self) -> None:
-        last_stats = 0.0
+        last_stats = last_view = 0.0
         while True:
             await asyncio.sleep(self.cfg.tick_s)
             now = time.monotonic()
@@ -290,9 +304,27 @@ class SchedulerService:
                 self._apply(self.core.expire(now) + self.core.schedule(now))
             except Exception:  # noqa: BLE001
                 log.exception("scheduler tick failed")
-            if now - last_stats > 10.0:
-                last_stats = now
-                log.info("state: %s", self.core.stats())
+            if now - last_view >= 1.0:
+                last_view = now
+                await self._publish_tenants(log_it=now - last_stats > 10.0)
+                if now - last_stats > 10.0:
+                    last_stats = now
+                    log.info("state: %s", self.core.stats())
+
+    async def _publish_tenants(self, log_it: bool) -> None:
+        """The operator view: per-tenant vTime, service and queued/running work, in Redis."""
+        view = self.core.tenant_stats()
+        if not view:
+            return
+        try:
+            await self.redis.hset(
+                self.keys.tenants, mapping={t: msgspec.json.encode(v) for t, v in view.items()}
+            )
+        except Exception as e:  # noqa: BLE001 - the view is refreshed next second
+            log.warning("writing the tenant view failed: %s", e)
+        if log_it:
+            for tenant, v in sorted(view.items()):
+                log.info("tenant %s: %s", tenant, " ".join(f"{k}={v[k]}" for k in sorted(v)))
 
     async def progress_loop(self) -> None:
         """Keep in-progress intake messages from being redelivered while their request runs."""

@@ -22,6 +22,10 @@ class ReadyNode:
     submitted_at: float  # when the request arrived (monotonic seconds)
     ready_since: float  # when the node became ready
     inputs: tuple[tuple[str, int], ...] = ()  # (executor holding an input, bytes) per tensor input
+    est_s: float = 0.0  # estimated run time (fetch + execute + store), from history
+    load_s: float = 0.0  # estimated load time, charged when the executor lacks the model
+    remaining_s: float = 0.0  # estimated critical path from this node to the request's end
+    job_s: float = 0.0  # estimated total work of the node's request (for SJF)
 
     @property
     def model_key(self) -> str:
@@ -35,6 +39,18 @@ class ExecutorInfo:
     resident: frozenset[str] = frozenset()  # model keys whose weights are loaded
     load: float = 0.0  # lower is less loaded (recent busy fraction)
     arena_free: int = 0
+    kind: str = "cpu"
+
+
+@dataclass(frozen=True, slots=True)
+class TenantView:
+    """What a policy knows of a tenant: its counters and whether it just (re)appeared."""
+
+    vtime: float = 0.0  # cumulative charged GPU seconds (paper §6)
+    ops: int = 0  # dispatched ModelFn executions (the VTC baseline's counter)
+    returning: bool = False  # new, or back after having nothing in progress: due a lift
+    active: bool = True  # has a request in progress
+    rejoining: bool = False  # had no ready work waiting after the last round (all running/blocked)
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,13 +58,28 @@ class Snapshot:
     now: float
     ready: tuple[ReadyNode, ...]
     idle: tuple[ExecutorInfo, ...]
-    extra: dict = field(default_factory=dict)  # policy-specific state (tenant vTime, ...)
+    tenants: dict[str, TenantView] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
 class Assignment:
     node_key: str
     executor: str
+    charge_s: float = 0.0  # the vTime estimate charged to the node's tenant at dispatch
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """A policy's answer: dispatches in order, and vTime lifts (tenant -> new floor)."""
+
+    assignments: list[Assignment] = field(default_factory=list)
+    lifts: dict[str, float] = field(default_factory=dict)
+    op_lifts: dict[str, int] = field(default_factory=dict)
+
+
+def charge_for(node: ReadyNode, ex: ExecutorInfo) -> float:
+    """The estimate charged at dispatch: run time, plus loading unless the model is resident."""
+    return node.est_s + (0.0 if node.model_key in ex.resident else node.load_s)
 
 
 def model_key(fn: str, model: str) -> str:
@@ -84,6 +115,6 @@ def place_in_order(nodes: Iterable[ReadyNode], snapshot: Snapshot) -> list[Assig
             break
         ex = best_fit(node, free.values())
         if ex is not None:
-            out.append(Assignment(node.key, ex.id))
+            out.append(Assignment(node.key, ex.id, charge_for(node, ex)))
             del free[ex.id]
     return out

@@ -37,46 +37,15 @@ from libs.protocol.messages import (
     node_key,
 )
 from libs.workflow.dag import Const, Dag, TensorSource
+from services.scheduler.accounting import Accounts
+from services.scheduler.effects import Effect, Finished, PersistRequest, ReleaseAttempt, SendDispatch
+from services.scheduler.estimates import Estimator, shape_key
 from services.scheduler.policy import Policy
 from services.scheduler.snapshot import ExecutorInfo, ReadyNode, Snapshot
 
 log = logging.getLogger(__name__)
 
 LOAD_HALF_LIFE_S = 10.0
-
-
-# -- effects: what the shell must do ------------------------------------------------------------
-@dataclass(frozen=True)
-class SendDispatch:
-    executor: str
-    msg: Dispatch
-
-
-@dataclass(frozen=True)
-class ReleaseAttempt:
-    """Tell every executor to free the tensors of one attempt of a request."""
-
-    request_id: str
-    attempt: int
-
-
-@dataclass(frozen=True)
-class PersistRequest:
-    """Write request state to Redis (``fields`` go into the request hash)."""
-
-    request_id: str
-    fields: dict[str, str | int | float]
-    tensors: dict[str, TensorMeta] = field(default_factory=dict)  # tensor id -> meta, to add
-    drop_tensors: bool = False  # the request ended: delete its tensor metadata
-
-
-@dataclass(frozen=True)
-class Finished:
-    result: RequestResult
-    tenant: str
-
-
-Effect = SendDispatch | ReleaseAttempt | PersistRequest | Finished
 
 
 class NodeStatus(Enum):
@@ -128,6 +97,12 @@ class RequestRun:
     gpu_s: float = 0.0
     retries: dict[str, int] = field(default_factory=dict)
     restarts: int = 0
+    # Accounting (paper §6): what each running node was charged, and what its estimate was keyed by.
+    charges: dict[str, float] = field(default_factory=dict)
+    shapes: dict[str, str] = field(default_factory=dict)
+    kinds: dict[str, str] = field(default_factory=dict)
+    critical: dict[str, float] = field(default_factory=dict)  # node -> estimated path to the end
+    job_s: float = 0.0  # estimated total work of the request
 
     @property
     def request_id(self) -> str:
@@ -142,8 +117,12 @@ class SchedulerCore:
         heartbeat_timeout_s: float = 5.0,
         max_node_retries: int = 2,
         max_restarts: int = 2,
+        estimator: Estimator | None = None,
+        accounts: Accounts | None = None,
     ) -> None:
         self.policy = policy
+        self.estimator = estimator or Estimator()
+        self.accounts = accounts or Accounts()
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.max_node_retries = max_node_retries
         self.max_restarts = max_restarts
@@ -157,6 +136,7 @@ class SchedulerCore:
             return []  # a redelivery of a request in progress: keep going
         run = self._new_run(req, dag, attempt, arrived=now, deadline=now + req.timeout_s)
         self.runs[req.request_id] = run
+        self.accounts.request_started(req.tenant)
         return [self._persist(run, status="queued")]
 
     def _new_run(
@@ -176,6 +156,12 @@ class SchedulerCore:
             if not n.deps:
                 run.status[n.id] = NodeStatus.READY
                 run.ready[n.id] = arrived
+        # Remaining critical-path time per node (Layer 2's r), from the current estimates.
+        est = {n.id: self.estimator.estimate(n.fn, n.model) for n in dag.nodes.values()}
+        for node_id in reversed(dag.nodes):
+            tail = max((run.critical[s] for s in dag.successors[node_id]), default=0.0)
+            run.critical[node_id] = est[node_id] + tail
+        run.job_s = sum(est.values())
         return run
 
     @property
@@ -233,7 +219,12 @@ class SchedulerCore:
         log.warning("dispatch of %s to %s failed: %s", key, executor_id, error)
         ex.running = None
         ex.suspect = True
-        return self._requeue(key, executor_id, now, reason=error, count_retry=False)
+        request_id, attempt, node_id = _split_key(key)
+        run = self.runs.get(request_id)
+        refund: list[Effect] = []
+        if run is not None and run.attempt == attempt and run.running.get(node_id) == executor_id:
+            refund.append(self.accounts.refund(run.req.tenant, run.charges.pop(node_id, 0.0)))
+        return refund + self._requeue(key, executor_id, now, reason=error, count_retry=False)
 
     def expire(self, now: float) -> list[Effect]:
         effects: list[Effect] = []
@@ -247,6 +238,9 @@ class SchedulerCore:
 
     # -- scheduling ---------------------------------------------------------------------------------
     def snapshot(self, now: float) -> Snapshot:
+        idle_execs = [e for e in self.executors.values() if e.idle]
+        kinds = {e.kind for e in idle_execs}
+        kind = next(iter(kinds)) if len(kinds) == 1 else None  # estimates per kind when unambiguous
         ready = []
         for run in self.runs.values():
             for node_id, since in run.ready.items():
@@ -256,6 +250,7 @@ class SchedulerCore:
                     for s in node.inputs.values()
                     if isinstance(s, TensorSource) and s in run.tensors
                 )
+                shapes = self._shapes(run, node_id)
                 ready.append(
                     ReadyNode(
                         key=node_key(run.request_id, run.attempt, node_id),
@@ -268,34 +263,89 @@ class SchedulerCore:
                         submitted_at=run.arrived,
                         ready_since=since,
                         inputs=inputs,
+                        est_s=self.estimator.estimate(node.fn, node.model, shapes, kind),
+                        load_s=self.estimator.load_estimate(node.fn, node.model, kind),
+                        remaining_s=run.critical[node_id],
+                        job_s=run.job_s,
                     )
                 )
         idle = tuple(
             ExecutorInfo(
-                id=e.id, fns=e.fns, resident=e.resident, load=self._load(e, now), arena_free=e.arena_free
+                id=e.id,
+                fns=e.fns,
+                resident=e.resident,
+                load=self._load(e, now),
+                arena_free=e.arena_free,
+                kind=e.kind,
             )
-            for e in self.executors.values()
-            if e.idle
+            for e in idle_execs
         )
-        return Snapshot(now=now, ready=tuple(ready), idle=idle)
+        return Snapshot(now=now, ready=tuple(ready), idle=idle, tenants=self.accounts.views())
+
+    def _shapes(self, run: RequestRun, node_id: str) -> str:
+        node = run.dag.nodes[node_id]
+        return shape_key(
+            (name, run.tensors[src].shape)
+            for name, src in node.inputs.items()
+            if isinstance(src, TensorSource) and src in run.tensors
+        )
 
     def schedule(self, now: float) -> list[Effect]:
+        """Run the policy: lifts for tenants that (re)joined, then dispatches to idle executors.
+
+        With no idle executor the policy still runs when a tenant with ready work is new, returning
+        or rejoining, so its lift takes effect the moment it becomes eligible (§6's bound is stated
+        from that point on), not when an executor next frees up.
+        """
+        has_idle = any(e.idle for e in self.executors.values())
+        if not has_idle:
+            with_ready = {run.req.tenant for run in self.runs.values() if run.ready}
+            due = any(self.accounts[t].returning or not self.accounts[t].waiting for t in with_ready)
+            if not due:
+                self._note_waiting()
+                return []
         snap = self.snapshot(now)
-        if not snap.ready or not snap.idle:
+        if not snap.ready:
+            self._note_waiting()
             return []
+        decision = self.policy(snap)
         effects: list[Effect] = []
-        for a in self.policy(snap):
+        for tenant, floor in decision.lifts.items():
+            if (lifted := self.accounts.lift(tenant, floor)) is not None:
+                log.info("vTime lift: tenant %s starts at %.3fs (the active minimum)", tenant, floor)
+                effects.append(lifted)
+        for tenant, op_floor in decision.op_lifts.items():
+            if (lifted := self.accounts.lift_ops(tenant, op_floor)) is not None:
+                effects.append(lifted)
+        for tenant in {n.tenant for n in snap.ready}:
+            self.accounts.settle(tenant)
+        if not snap.idle:
+            self._note_waiting()
+            return effects
+        for a in decision.assignments:
             request_id, attempt, node_id = _split_key(a.node_key)
             run = self.runs.get(request_id)
             ex = self.executors.get(a.executor)
             if run is None or run.attempt != attempt or node_id not in run.ready or ex is None or not ex.idle:
                 log.error("policy returned an invalid assignment %s -> %s; ignored", a.node_key, a.executor)
                 continue
-            effects += self._dispatch(run, node_id, ex, now)
+            effects += self._dispatch(run, node_id, ex, now, a.charge_s)
+        self._note_waiting()
         return effects
 
-    def _dispatch(self, run: RequestRun, node_id: str, ex: ExecutorState, now: float) -> list[Effect]:
+    def _note_waiting(self) -> None:
+        """Record which tenants are left with ready work waiting (eligible-backlogged, §6)."""
+        waiting = {run.req.tenant for run in self.runs.values() if run.ready}
+        for name, acct in self.accounts.tenants.items():
+            acct.waiting = name in waiting
+
+    def _dispatch(
+        self, run: RequestRun, node_id: str, ex: ExecutorState, now: float, charge_s: float
+    ) -> list[Effect]:
         node = run.dag.nodes[node_id]
+        run.charges[node_id] = charge_s
+        run.shapes[node_id] = self._shapes(run, node_id)
+        run.kinds[node_id] = ex.kind
         del run.ready[node_id]
         run.status[node_id] = NodeStatus.RUNNING
         run.running[node_id] = ex.id
@@ -331,7 +381,7 @@ class SchedulerCore:
             outputs=outputs,
             callbacks=sorted(node.callbacks),
         )
-        effects: list[Effect] = [SendDispatch(ex.id, msg)]
+        effects: list[Effect] = [SendDispatch(ex.id, msg), self.accounts.charge(run.req.tenant, charge_s)]
         if run.done == 0 and len(run.running) == 1:
             effects.append(self._persist(run, status="running"))
         return effects
@@ -358,6 +408,16 @@ class SchedulerCore:
         del run.running[msg.node_id]
         run.status[msg.node_id] = NodeStatus.DONE
         run.done += 1
+        t = msg.timing
+        self.estimator.observe(
+            node.fn,
+            node.model,
+            run.shapes.get(node.id, ""),
+            run.kinds.get(node.id, ""),
+            run_s=t.fetch_s + t.exec_s + t.store_s,
+            load_s=t.load_s,
+        )
+        correction = self.accounts.correct(run.req.tenant, run.charges.pop(node.id, 0.0), t.total_s)
         run.executors.add(msg.executor)
         run.bytes_moved += msg.bytes_in
         run.gpu_s += msg.timing.total_s
@@ -378,8 +438,8 @@ class SchedulerCore:
                 run.status[succ] = NodeStatus.READY
                 run.ready[succ] = now
         if run.done == len(run.dag.nodes):
-            return self._succeed(run)
-        return [self._persist(run, status="running", tensors=new_tensors)]
+            return [correction, *self._succeed(run)]
+        return [correction, self._persist(run, status="running", tensors=new_tensors)]
 
     def on_failed(self, msg: NodeFailed, now: float) -> list[Effect]:
         ex = self.executors.get(msg.executor)
@@ -449,7 +509,8 @@ class SchedulerCore:
     def _end(self, run: RequestRun, status: str, error: str = "", code: str = "") -> list[Effect]:
         # Executors still computing nodes of a failed run keep ``running`` set; their completions
         # arrive stale, free the executor and release the attempt's tensors again.
-        self.runs.pop(run.request_id, None)
+        if self.runs.pop(run.request_id, None) is not None:
+            self.accounts.request_ended(run.req.tenant)
         result = RequestResult(
             request_id=run.request_id,
             status=status,  # type: ignore[arg-type]
@@ -491,6 +552,27 @@ class SchedulerCore:
 
     def _load(self, ex: ExecutorState, now: float) -> float:
         return ex.load * 0.5 ** ((now - ex.load_at) / LOAD_HALF_LIFE_S)
+
+    def tenant_stats(self) -> dict[str, dict[str, float | int]]:
+        """The operator view: per tenant vTime, measured service, and its work in the system."""
+        out: dict[str, dict[str, float | int]] = {}
+        for name, a in self.accounts.tenants.items():
+            out[name] = {
+                "vtime_s": round(a.vtime, 6),
+                "service_s": round(a.service_s, 6),
+                "ops": a.ops,
+                "requests": a.requests,
+                "queued": 0,
+                "ready_nodes": 0,
+                "running_nodes": 0,
+            }
+        for run in self.runs.values():
+            d = out.setdefault(run.req.tenant, {"queued": 0, "ready_nodes": 0, "running_nodes": 0})
+            d["ready_nodes"] += len(run.ready)
+            d["running_nodes"] += len(run.running)
+            if run.done == 0 and not run.running:
+                d["queued"] += 1
+        return out
 
     def stats(self) -> dict[str, int]:
         return {

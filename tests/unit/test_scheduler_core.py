@@ -16,9 +16,10 @@ from libs.protocol.messages import (
 from libs.workflow.dag import unroll
 from libs.workflow.params import resolve_params
 from libs.workflow.validate import validate_spec
+from services.scheduler.effects import Finished, PersistRequest, ReleaseAttempt, SendDispatch
 from services.scheduler.policy import fifo
 from services.scheduler.snapshot import ExecutorInfo, ReadyNode, Snapshot, best_fit
-from services.scheduler.state import Finished, PersistRequest, ReleaseAttempt, SchedulerCore, SendDispatch
+from services.scheduler.state import SchedulerCore
 from tests.support.toyfns import CATALOG
 from tests.unit.test_workflow_dag import compose_toy
 
@@ -150,7 +151,7 @@ def test_fifo_serves_the_older_request_first():
     older = ReadyNode("r1/1/a", "r1", "a", "t", "toy.encode", "", 0, submitted_at=1.0, ready_since=5.0)
     newer = ReadyNode("r2/1/a", "r2", "a", "t", "toy.encode", "", 0, submitted_at=2.0, ready_since=2.0)
     snap = Snapshot(now=9.0, ready=(newer, older), idle=(ExecutorInfo("e", frozenset(FNS)),))
-    assert [a.node_key for a in fifo(snap)] == ["r1/1/a"]
+    assert [a.node_key for a in fifo(snap).assignments] == ["r1/1/a"]
 
 
 def test_a_lost_completion_is_detected_from_a_later_heartbeat_and_the_node_reruns():

@@ -1,0 +1,58 @@
+"""What the scheduler core asks its shell to do: the effects returned by every core call."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from libs.dataplane.meta import TensorMeta
+from libs.protocol.messages import Dispatch, RequestResult
+
+
+@dataclass(frozen=True)
+class SendDispatch:
+    executor: str
+    msg: Dispatch
+
+
+@dataclass(frozen=True)
+class ReleaseAttempt:
+    """Tell every executor to free the tensors of one attempt of a request."""
+
+    request_id: str
+    attempt: int
+
+
+@dataclass(frozen=True)
+class PersistRequest:
+    """Write request state to Redis (``fields`` go into the request hash)."""
+
+    request_id: str
+    fields: dict[str, str | int | float]
+    tensors: dict[str, TensorMeta] = field(default_factory=dict)  # tensor id -> meta, to add
+    drop_tensors: bool = False  # the request ended: delete its tensor metadata
+
+
+@dataclass(frozen=True)
+class Finished:
+    result: RequestResult
+    tenant: str
+
+
+@dataclass(frozen=True)
+class ChargeVTime:
+    """Change a tenant's counters in Redis, atomically (one Lua script; paper §6 accounting).
+
+    ``floor`` lifts the vTime to at least that value first (Algorithm 1's lift); ``delta`` is then
+    added (an estimate at dispatch, measured − estimate on completion); ``service_s`` accumulates
+    measured GPU time only (what fairness is judged by); ``ops`` counts dispatched ModelFns (VTC).
+    """
+
+    tenant: str
+    delta: float = 0.0
+    floor: float | None = None
+    ops: int = 0
+    op_floor: int | None = None
+    service_s: float = 0.0
+
+
+Effect = SendDispatch | ReleaseAttempt | PersistRequest | Finished | ChargeVTime

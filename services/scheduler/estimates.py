@@ -1,0 +1,74 @@
+"""Estimated execution time of a node, learnt from the times executors measure (paper §6).
+
+At dispatch the scheduler charges the owner an *estimate* so it can decide at once; on completion
+the estimate is replaced by the measured time. Estimates come from history, most specific first:
+
+1. (ModelFn, model, input shapes, executor kind) — e.g. the denoiser at 1024x1024 on an H800;
+2. (ModelFn, model, input shapes) on any executor kind;
+3. (ModelFn, model, executor kind);
+4. (ModelFn, model);
+5. the ModelFn's configured default, else ``default_s`` (0.1 s) before any history exists.
+
+Each level keeps an exponentially weighted moving average (``alpha`` = 0.3), so estimates follow
+drift (a warmer cache, a busier host) without being thrown by one outlier. Loading is estimated
+separately, per (ModelFn, model, kind), and charged only when the chosen executor does not have the
+model resident. Pure and synchronous: the scheduler core owns one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+DEFAULT_S = 0.1  # before any history: small, so a new workflow is not starved by a guess
+DEFAULT_LOAD_S = 0.0  # unknown loads are not charged up front; the measurement corrects it
+
+
+def shape_key(shapes: Iterable[tuple[str, list[int]]]) -> str:
+    """A key for a node's tensor input shapes: ``"latents=1x4096x64;prompt_embeds=1x512x4096"``."""
+    return ";".join(f"{name}={'x'.join(map(str, shape))}" for name, shape in sorted(shapes))
+
+
+class Estimator:
+    def __init__(
+        self,
+        defaults: Mapping[str, float] | None = None,
+        *,
+        default_s: float = DEFAULT_S,
+        alpha: float = 0.3,
+    ) -> None:
+        self.defaults = dict(defaults or {})
+        self.default_s = default_s
+        self.alpha = alpha
+        self._exec: dict[tuple, float] = {}
+        self._load: dict[tuple, float] = {}
+
+    def _update(self, table: dict[tuple, float], key: tuple, value: float) -> None:
+        old = table.get(key)
+        table[key] = value if old is None else old + self.alpha * (value - old)
+
+    def observe(self, fn: str, model: str, shapes: str, kind: str, run_s: float, load_s: float = 0.0) -> None:
+        """Record one completion: ``run_s`` = fetch + execute + store, ``load_s`` when it loaded."""
+        for key in ((fn, model, shapes, kind), (fn, model, shapes), (fn, model, kind), (fn, model)):
+            self._update(self._exec, key, run_s)
+        if load_s > 0:
+            self._update(self._load, (fn, model, kind), load_s)
+            self._update(self._load, (fn, model), load_s)
+
+    def estimate(self, fn: str, model: str, shapes: str | None = None, kind: str | None = None) -> float:
+        keys: list[tuple] = []
+        if shapes is not None and kind is not None:
+            keys.append((fn, model, shapes, kind))
+        if shapes is not None:
+            keys.append((fn, model, shapes))
+        if kind is not None:
+            keys.append((fn, model, kind))
+        keys.append((fn, model))
+        for key in keys:
+            if key in self._exec:
+                return self._exec[key]
+        return self.defaults.get(fn, self.default_s)
+
+    def load_estimate(self, fn: str, model: str, kind: str | None = None) -> float:
+        if kind is not None and (fn, model, kind) in self._load:
+            return self._load[(fn, model, kind)]
+        return self._load.get((fn, model), DEFAULT_LOAD_S)
