@@ -98,17 +98,7 @@ def simulate(policy: Policy, arrivals: list[Arrival], executors: int) -> Trace:
         # A tenant that arrives, returns or rejoins becomes eligible when this round's lift applies.
         joining = {t: accts[t].returning or not accts[t].waiting for t in tenants}
 
-        def sample() -> None:
-            trace.samples.append(
-                Sample(
-                    t=now,
-                    vtime=dict(vt),
-                    service={t: accts[t].service_s for t in tenants},
-                    eligible={t: waiting[t] > 0 and not joining[t] for t in tenants},
-                )
-            )
-
-        sample()
+        trace.samples.append(_sample(now, vt, core, waiting, joining))
         effects = core.schedule(now)
         joining = {t: False for t in tenants}  # lifts come first in a round: the rest is after them
         for eff in effects:
@@ -116,7 +106,7 @@ def simulate(policy: Policy, arrivals: list[Arrival], executors: int) -> Trace:
                 if eff.floor is not None:
                     vt[eff.tenant] = max(vt[eff.tenant], eff.floor)
                 vt[eff.tenant] += eff.delta
-                sample()
+                trace.samples.append(_sample(now, vt, core, waiting, joining))
             elif isinstance(eff, SendDispatch):
                 m = eff.msg
                 waiting[m.tenant] -= 1
@@ -135,6 +125,17 @@ def simulate(policy: Policy, arrivals: list[Arrival], executors: int) -> Trace:
                 seq += 1
         assert vt == {t: accts[t].vtime for t in tenants}  # the replay matches the core's accounts
     return trace
+
+
+def _sample(
+    now: float, vt: dict[str, float], core: SchedulerCore, waiting: dict[str, int], joining: dict[str, bool]
+) -> Sample:
+    return Sample(
+        t=now,
+        vtime=dict(vt),
+        service={t: core.accounts[t].service_s for t in vt},
+        eligible={t: waiting[t] > 0 and not joining[t] for t in vt},
+    )
 
 
 def windows(trace: Trace, f: str, g: str) -> list[list[Sample]]:
