@@ -36,6 +36,11 @@ class Stack:
     redis_url: str = "redis://127.0.0.1:6379/0"
     executor_threads: int = 1
     executor_arena_mb: int = 256
+    sim_executors: int = 0  # simulated executors, all in one extra process
+    sim_profile: str = "paper-h800"
+    sim_time_scale: float = 1.0
+    scheduler_env: dict[str, str] = field(default_factory=dict)
+    gateway_env: dict[str, str] = field(default_factory=dict)
     extra_env: dict[str, str] = field(default_factory=dict)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
 
@@ -80,18 +85,34 @@ class Stack:
             T2I_EXECUTOR_HEARTBEAT_S="0.5",
         )
 
+    def start_scheduler(self) -> subprocess.Popen:
+        env = {"T2I_SCHEDULER_HEARTBEAT_TIMEOUT_S": "3", **self.scheduler_env}
+        return self.spawn("scheduler", "services.scheduler", **env)
+
     def start(self, timeout: float = 120.0) -> Stack:
         try:
             self.spawn("registry", "services.registry")
-            self.spawn("scheduler", "services.scheduler", T2I_SCHEDULER_HEARTBEAT_TIMEOUT_S="3")
+            self.start_scheduler()
             self.spawn(
                 "gateway",
                 "services.gateway",
                 T2I_GATEWAY_PORT=str(self.gateway_port),
                 T2I_GATEWAY_API_KEYS=self.api_keys,
+                **self.gateway_env,
             )
             for i in range(self.executors):
                 self.start_executor(f"executor-{i}")
+            if self.sim_executors:
+                self.spawn(
+                    "sim-executors",
+                    "services.executor",
+                    T2I_EXECUTOR_MODE="sim",
+                    T2I_EXECUTOR_ID=f"{self.namespace}-sim",
+                    T2I_EXECUTOR_SIM_COUNT=str(self.sim_executors),
+                    T2I_EXECUTOR_SIM_PROFILE=self.sim_profile,
+                    T2I_EXECUTOR_SIM_TIME_SCALE=str(self.sim_time_scale),
+                    T2I_EXECUTOR_HEARTBEAT_S="0.5",
+                )
             self.wait_ready(timeout)
         except BaseException:
             self.stop()

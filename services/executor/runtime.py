@@ -10,13 +10,15 @@ only when ``execute`` reaches the point that needs them.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import io
 import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,33 +30,9 @@ from libs.dataplane.store import TensorStore
 from libs.protocol.messages import ConstInput, Dispatch, NodeTiming, tensor_id
 from libs.workflow import catalog
 from libs.workflow.modelfn import Deferred, ModelFn
+from services.executor.outcome import NodeError, NodeOutcome, Png
 
 log = logging.getLogger(__name__)
-
-
-class NodeError(Exception):
-    """A node failed; ``retryable`` says whether running it again (anywhere) can help."""
-
-    def __init__(self, message: str, retryable: bool = False, unreachable: str = "") -> None:
-        super().__init__(message)
-        self.retryable = retryable
-        self.unreachable = unreachable  # the producer whose tensor could not be read, if that is why
-
-
-@dataclass
-class Png:
-    data: bytes
-    width: int
-    height: int
-
-
-@dataclass
-class NodeOutcome:
-    outputs: dict[str, TensorMeta]
-    pngs: dict[str, Png]
-    timing: NodeTiming
-    bytes_in: int
-    reads: list[TensorMeta] = field(default_factory=list)  # inputs to release at their producers
 
 
 @dataclass
@@ -138,18 +116,29 @@ def encode_png(image: torch.Tensor) -> Png:
 
 
 class NodeRunner:
-    """Runs dispatched nodes; not thread-safe: one node at a time, in one worker thread."""
+    """Runs dispatched nodes for real, one at a time, in one worker thread (``run``), so the
+    executor's asyncio loop stays free for heartbeats and releases."""
 
     def __init__(self, store: TensorStore, models: ModelCache, device: str = "cpu") -> None:
         self.store = store
         self.models = models
         self.device = torch.device(device)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="node")
+
+    async def run(self, d: Dispatch) -> NodeOutcome:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self.run_sync, d)
+
+    def resident(self) -> list[str]:
+        return self.models.resident()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def run(self, d: Dispatch) -> NodeOutcome:
+    def run_sync(self, d: Dispatch) -> NodeOutcome:
         fn = self.models.fn(d.fn)
         declared = fn.inputs
         missing = [n for n in declared if n not in d.inputs]

@@ -15,14 +15,13 @@ import logging
 import socket
 import time
 from collections import defaultdict
-from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol
 
 import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js.object_store import ObjectStore
 
-from libs.dataplane.store import TensorStore
 from libs.protocol.messages import (
     Ack,
     Dispatch,
@@ -37,9 +36,31 @@ from libs.protocol.messages import (
     executor_decoder,
 )
 from libs.protocol.subjects import Subjects
-from services.executor.runtime import NodeError, NodeOutcome, NodeRunner
+from services.executor.outcome import NodeError, NodeOutcome
 
 log = logging.getLogger(__name__)
+
+
+class Runner(Protocol):
+    """Runs one node at a time: for real (a worker thread) or simulated (sleeping)."""
+
+    async def run(self, d: Dispatch) -> NodeOutcome: ...
+
+    def resident(self) -> list[str]: ...
+
+    def close(self) -> None: ...
+
+
+class Store(Protocol):
+    """The executor's side of the data plane: ``TensorStore``, or the simulator's metadata store."""
+
+    transport: Any
+
+    def stats(self) -> dict[str, Any]: ...
+
+    def release(self, tensor_id: str, count: int = 1) -> bool: ...
+
+    def release_group(self, group: str) -> int: ...
 
 
 class ExecutorService:
@@ -50,8 +71,8 @@ class ExecutorService:
         kind: str,
         nc: Client,
         subjects: Subjects,
-        store: TensorStore,
-        runner: NodeRunner,
+        store: Store,
+        runner: Runner,
         images: ObjectStore,
         fns: list[str],
         heartbeat_s: float = 1.0,
@@ -69,7 +90,6 @@ class ExecutorService:
         self.current: str | None = None  # node key being run
         self.started_at = time.time()
         self.nodes_run = 0
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="node")
         self._attempts: dict[str, set[int]] = defaultdict(set)  # request id -> attempts with tensors here
         self._subs: list = []
         self._tasks: set[asyncio.Task] = set()
@@ -98,7 +118,7 @@ class ExecutorService:
             transport=self.store.transport.kind,
             address=self.store.transport.address,
             fns=self.fns,
-            resident=self.runner.models.resident(),
+            resident=self.runner.resident(),
             running=[self.current] if self.current else [],
             arena_capacity=int(stats["capacity"]),
             arena_free=int(stats["free"]),
@@ -124,7 +144,7 @@ class ExecutorService:
             pass
         for t in list(self._tasks):
             t.cancel()
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self.runner.close()
 
     # -- messages -------------------------------------------------------------------------------------
     async def _on_msg(self, msg: Msg) -> None:
@@ -162,10 +182,9 @@ class ExecutorService:
         task.add_done_callback(self._tasks.discard)
 
     async def _run(self, d: Dispatch) -> None:
-        loop = asyncio.get_running_loop()
         self._attempts[d.request_id].add(d.attempt)
         try:
-            outcome: NodeOutcome = await loop.run_in_executor(self._pool, self.runner.run, d)
+            outcome = await self.runner.run(d)
             sinks = await self._upload(d, outcome)
         except NodeError as e:
             log.warning("node %s failed: %s", d.key, e)

@@ -16,3 +16,4 @@ class SchedulerConfig(msgspec.Struct, forbid_unknown_fields=True):
     max_node_retries: int = 2
     max_restarts: int = 2
     request_ttl_s: int = 86400  # how long request state stays in Redis after it ends
+    view_s: float = 1.0  # how often the per-tenant operator view is refreshed in Redis
