@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e '.[executor,local,test]'
+	$(BIN)/python -m pip install --quiet -e '.[executor,local,test,bench]'
 	@touch $@
 
 install: $(STAMP)
@@ -36,6 +36,7 @@ lint: install
 
 bench: install brokers
 	$(BIN)/python bench/overhead.py
+	$(BIN)/python bench/fairness.py
 
 compose-check: install
 	$(BIN)/docker-compose -f deploy/compose.yaml config --quiet
