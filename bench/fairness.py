@@ -242,6 +242,34 @@ def plot(results: list[dict], out: Path, l_max: float) -> None:
     fig.savefig(out / "fairness_slack.png", dpi=120)
 
 
+def report(results: list[dict], args, profile, deadlines: dict[str, float], l_max: float) -> None:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "fairness.json").write_text(
+        json.dumps({"deadlines_s": deadlines, "l_max_s": l_max, "results": results}, indent=1)
+    )
+    plot(results, out, l_max)
+    print(
+        f"\n{args.gpus} simulated {profile.device}, 2 tenants x {args.rate:g} req/s for {args.duration:g}s"
+        f" (+{args.backlog} queued each at t=0); deadlines: SD3 {deadlines['sd3']:.2f}s, Flux {deadlines['flux']:.1f}s;"
+        f" L_max = {l_max:.3f}s"
+    )
+    hdr = (
+        f"{'policy':16s}{'backlogged s':>13s}{'service gap':>12s}{'vTime gap':>10s}{'bound':>7s}"
+        f"{'SLO sd3':>9s}{'SLO flux':>10s}{'SLO all':>9s}{'svc sd3':>9s}{'svc flux':>10s}"
+    )
+    print(hdr)
+    for r in results:
+        bound = f"{2 * (r['slack_s'] + l_max):7.2f}" if r["policy"] == "fair" else f"{'-':>7s}"
+        print(
+            f"{r['label']:16s}{r['backlogged_s']:13.1f}{r['max_gap_s']:12.2f}{r['max_vtime_gap_s']:10.2f}{bound}"
+            f"{100 * r['slo']['sd3']:8.0f}%{100 * r['slo']['flux']:9.0f}%{100 * r['slo_all']:8.0f}%"
+            f"{r['service_s']['sd3']:9.1f}{r['service_s']['flux']:10.1f}"
+        )
+    print("gaps: max over t1 < t2 in the backlogged interval of |W_flux - W_sd3|; bound: 2(Δ + L_max)")
+    print(f"plots: {out / 'fairness_gap.png'}, {out / 'fairness_slack.png'}")
+
+
 async def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--duration", type=float, default=60.0, help="seconds (profile time) of arrivals")
@@ -273,31 +301,7 @@ async def main() -> int:
     finally:
         brokers.stop(started)
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "fairness.json").write_text(
-        json.dumps({"deadlines_s": deadlines, "l_max_s": l_max, "results": results}, indent=1)
-    )
-    plot(results, out, l_max)
-    print(
-        f"\n{args.gpus} simulated {profile.device}, 2 tenants x {args.rate:g} req/s for {args.duration:g}s"
-        f" (+{args.backlog} queued each at t=0); deadlines: SD3 {deadlines['sd3']:.2f}s, Flux {deadlines['flux']:.1f}s;"
-        f" L_max = {l_max:.3f}s"
-    )
-    hdr = (
-        f"{'policy':16s}{'backlogged s':>13s}{'service gap':>12s}{'vTime gap':>10s}{'bound':>7s}"
-        f"{'SLO sd3':>9s}{'SLO flux':>10s}{'SLO all':>9s}{'svc sd3':>9s}{'svc flux':>10s}"
-    )
-    print(hdr)
-    for r in results:
-        bound = f"{2 * (r['slack_s'] + l_max):7.2f}" if r["policy"] == "fair" else f"{'-':>7s}"
-        print(
-            f"{r['label']:16s}{r['backlogged_s']:13.1f}{r['max_gap_s']:12.2f}{r['max_vtime_gap_s']:10.2f}{bound}"
-            f"{100 * r['slo']['sd3']:8.0f}%{100 * r['slo']['flux']:9.0f}%{100 * r['slo_all']:8.0f}%"
-            f"{r['service_s']['sd3']:9.1f}{r['service_s']['flux']:10.1f}"
-        )
-    print("gaps: max over t1 < t2 in the backlogged interval of |W_flux - W_sd3|; bound: 2(Δ + L_max)")
-    print(f"plots: {out / 'fairness_gap.png'}, {out / 'fairness_slack.png'}")
+    report(results, args, profile, deadlines, l_max)
     return 0
 
 
