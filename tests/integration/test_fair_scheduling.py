@@ -183,3 +183,40 @@ def test_vtime_survives_a_scheduler_restart(broker_urls, tmp_path):
         assert stack.http("GET", "/v1/admin/tenants", key="sk-pricey")[0] == 403
     finally:
         stop(stack, broker_urls)
+
+
+def test_sixty_four_simulated_gpus_in_one_process_serve_a_burst(broker_urls, tmp_path):
+    nats_url, redis_url = broker_urls
+    profile = tmp_path / "profile.json"
+    write_profile(profile)
+    stack = Stack(
+        namespace="t" + uuid.uuid4().hex[:10],
+        log_dir=tmp_path / "logs",
+        model_root=tmp_path,
+        gateway_port=free_port(),
+        executors=0,
+        sim_executors=64,
+        sim_profile=str(profile),
+        api_keys="sk-cheap=cheap:admin",
+        nats_url=nats_url,
+        redis_url=redis_url,
+        gateway_env={"T2I_GATEWAY_MAX_INFLIGHT": "1000"},
+    )
+    stack.start()
+    try:
+        spec = sim_workflow("cheap-wf", "cheap", steps=STEPS)
+        assert stack.http("POST", "/v1/workflows", json.loads(encode_spec(spec)), key="sk-cheap")[0] == 201
+        t0 = time.monotonic()
+        with ThreadPoolExecutor(max_workers=128) as pool:
+            statuses = list(pool.map(lambda _: generate(stack, "cheap"), range(128)))
+        elapsed = time.monotonic() - t0
+        assert statuses == [200] * 128, stack.tail("scheduler")
+        r = redis.Redis.from_url(redis_url)
+        used = set()
+        for key in r.scan_iter(match=Keys(stack.namespace).request("*")):
+            used.update(x for x in r.hget(key, "executors").decode().split(",") if x)
+        r.close()
+        # 128 requests x 7 nodes spread over the simulated GPUs, concurrently.
+        assert len(used) >= 48, (len(used), elapsed)
+    finally:
+        stop(stack, broker_urls)
