@@ -140,6 +140,8 @@ class Workflow:
             if name in inputs or name in consts:
                 continue
             found = self._lookup(name)
+            if found is None and name in fn.optional:
+                continue
             if found is None:
                 raise CompositionError(
                     f"{node_id}: input {name!r} of {fn.fn_name} is not bound and nothing named {name!r} is in scope"

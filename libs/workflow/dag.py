@@ -30,7 +30,14 @@ class Const:
     value: Scalar
 
 
-Source = TensorSource | Const
+@dataclass(frozen=True, slots=True)
+class ImageSource:
+    """An ``image`` parameter: ``ref`` names the picture (an object in the images bucket)."""
+
+    ref: str
+
+
+Source = TensorSource | Const | ImageSource
 
 
 @dataclass(slots=True)
@@ -71,6 +78,13 @@ def unroll(
     callbacks = callbacks or {}
     nodes: list[DagNode] = []
     read: dict[str, set[str]] = {}
+    images = {n for n, p in spec.params.items() if p.type == "image"}
+
+    def param(name: str) -> Source:
+        value = params[name]
+        if name in images:
+            return ImageSource(str(value)) if value else Const(None)
+        return Const(value)
 
     def run(
         ops: list[Op], env: dict[str, Source], suffix: str, outer: dict[str, object]
@@ -113,7 +127,7 @@ def unroll(
 
     def resolve(ref: str, env: dict[str, Source], names: dict[str, object]) -> Source:
         if ref.startswith(REF_PARAM):
-            return Const(params[ref[len(REF_PARAM) :]])
+            return param(ref[len(REF_PARAM) :])
         if ref.startswith(REF_VAR):
             return env[ref[len(REF_VAR) :]]
         op_id, out = ref.split(".", 1)

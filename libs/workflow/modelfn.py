@@ -10,10 +10,12 @@ A developer subclasses :class:`ModelFn` and implements three methods:
   declared output. It must be deterministic given its inputs (seeds arrive as inputs), because the
   platform may retry a node and expects the same bytes.
 
-Inputs are either tensors produced by other nodes or scalars (workflow parameters, loop indices,
-constants). An input declared with ``callback=True`` arrives as a :class:`Deferred`: the tensor is
-fetched only when ``execute`` calls it (§5.2 callback-based fetching), so a base model can start
-its forward pass before a parallel ControlNet has produced its output.
+Inputs are tensors (or lists of tensors) produced by other nodes, scalars (workflow parameters,
+loop indices, constants), or images (``PIL.Image``, from ``image`` parameters such as a ControlNet's
+control image). An output is a tensor or a list/tuple of tensors. An input declared with
+``callback=True`` arrives as a :class:`Deferred`: the tensor is fetched only when ``execute`` calls
+it (§5.2 callback-based fetching), so a base model can start its forward pass before a parallel
+ControlNet has produced its output.
 
 This module never imports torch: the registry reads the declared I/O of every ModelFn without it.
 Implementations import torch inside ``load_model``/``execute`` (or in modules only executors load).
@@ -39,6 +41,7 @@ class Signature(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     inputs: dict[str, bool]  # input name -> callback?
     outputs: list[str]
+    optional: list[str] = []  # inputs a workflow may leave unbound (execute gets its default)
 
 
 class Deferred:
@@ -71,6 +74,7 @@ class Deferred:
 class _IO:
     inputs: dict[str, bool] = field(default_factory=dict)
     outputs: list[str] = field(default_factory=list)
+    optional: list[str] = field(default_factory=list)
 
 
 class ModelFn:
@@ -106,12 +110,18 @@ class ModelFn:
         """Run one invocation; return one value per declared output."""
         raise NotImplementedError(f"{type(self).__name__} must implement execute()")
 
-    def add_input(self, name: str, callback: bool = False) -> None:
+    def add_input(self, name: str, callback: bool = False, optional: bool = False) -> None:
+        """Declare an input. ``callback=True``: fetched only when ``execute`` calls it (§5.2).
+        ``optional=True``: a workflow may leave it unbound (bound by name when a value of that
+        name is in scope), and ``execute`` then uses its own default — e.g. ``lora`` or
+        ``control_outputs`` on a base model that also runs without adapters."""
         if not IDENT.match(name):
             raise CompositionError(f"input name {name!r} is not an identifier")
         if name in self._io.inputs:
             raise CompositionError(f"input {name!r} declared twice")
         self._io.inputs[name] = bool(callback)
+        if optional:
+            self._io.optional.append(name)
 
     def add_output(self, name: str) -> None:
         if not IDENT.match(name):
@@ -127,7 +137,7 @@ class ModelFn:
         inst = cls.__new__(cls)
         inst._io = _IO()
         inst.setup_io()
-        return Signature(inputs=dict(inst._io.inputs), outputs=list(inst._io.outputs))
+        return Signature(inputs=dict(inst._io.inputs), outputs=list(inst._io.outputs), optional=list(inst._io.optional))
 
     @property
     def inputs(self) -> dict[str, bool]:
@@ -136,6 +146,10 @@ class ModelFn:
     @property
     def outputs(self) -> list[str]:
         return list(self._io.outputs)
+
+    @property
+    def optional(self) -> list[str]:
+        return list(self._io.optional)
 
     def __call__(self, **bindings: Any) -> Any:
         """Record one invocation in the workflow being composed (see ``compose.Workflow``)."""

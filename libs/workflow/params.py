@@ -8,7 +8,14 @@ from typing import Any
 from libs.workflow.errors import ParamError
 from libs.workflow.spec import ParamSpec, Scalar, WorkflowSpec
 
-_TYPE_WORDS = {"int": "an integer", "float": "a number", "str": "a string", "bool": "a boolean"}
+_TYPE_WORDS = {
+    "int": "an integer",
+    "float": "a number",
+    "str": "a string",
+    "bool": "a boolean",
+    "image": "an image",
+    "lora": "a LoRA name",
+}
 
 
 def check_param(name: str, p: ParamSpec, value: Any) -> Scalar:
@@ -21,8 +28,8 @@ def check_param(name: str, p: ParamSpec, value: Any) -> Scalar:
             value = float(value)
             if value != value or value in (float("inf"), float("-inf")):
                 raise ParamError(name, "must be a finite number")
-    elif p.type == "str":
-        ok = isinstance(value, str)
+    elif p.type in ("str", "image", "lora"):
+        ok = isinstance(value, str)  # images: an object reference by now; LoRAs: a name or path
     else:
         ok = isinstance(value, bool)
     if not ok:
@@ -51,7 +58,7 @@ def resolve_params(spec: WorkflowSpec, given: Mapping[str, Any]) -> dict[str, Sc
         elif p.required:
             raise ParamError(name, "is required")
         else:
-            out[name] = p.default
+            out[name] = "" if p.type == "lora" and p.default is None else p.default
     return out
 
 

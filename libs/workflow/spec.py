@@ -41,9 +41,14 @@ SIZE = re.compile(r"^([1-9][0-9]{0,4})x([1-9][0-9]{0,4})$")
 
 
 class ParamSpec(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
-    """A typed workflow parameter."""
+    """A typed workflow parameter.
 
-    type: Literal["int", "float", "str", "bool"]
+    Besides scalars: ``image`` is a picture sent with the request (base64 PNG over HTTP; a ControlNet's
+    control image), reaching the ModelFn as a ``PIL.Image``; ``lora`` names a registered LoRA adapter
+    (``""`` = none), reaching the ModelFn as the path of its safetensors file.
+    """
+
+    type: Literal["int", "float", "str", "bool", "image", "lora"]
     default: Scalar = None
     required: bool = False
     minimum: float | None = None

@@ -98,8 +98,10 @@ class _Validator:
             for where, v in values:
                 if not _has_type(v, p.type):
                     self.problem(f"{path}.{where}", f"{v!r} is not of type {p.type}")
-            if p.default is None and not p.required:
+            if p.default is None and not p.required and p.type != "image":
                 self.problem(path, "needs a default or `required: true`")
+            if p.type == "image" and p.default is not None:
+                self.problem(f"{path}.default", "an image parameter has no default (leave it out, or make it required)")
             if p.default is not None and p.required:
                 self.problem(path, "a required parameter has no default")
             if (p.minimum is not None or p.maximum is not None) and p.type not in ("int", "float"):
@@ -241,6 +243,8 @@ class _Validator:
             if name in op.inputs or name in op.consts:
                 continue
             found = self.lookup(name, chain)
+            if found is None and name in sig.optional:
+                continue  # left unbound: execute() uses its default
             if found is None:
                 self.problem(
                     f"{path}.inputs.{name}",
@@ -353,7 +357,7 @@ def _has_type(v: object, t: str) -> bool:
         return isinstance(v, int) and not isinstance(v, bool)
     if t == "float":
         return isinstance(v, int | float) and not isinstance(v, bool)
-    if t == "str":
+    if t in ("str", "lora", "image"):
         return isinstance(v, str)
     return isinstance(v, bool)
 

@@ -14,7 +14,6 @@ import asyncio
 import functools
 import io
 import logging
-import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +23,7 @@ from typing import Any
 
 import torch
 
+from libs.common.paths import resolve_model_path
 from libs.dataplane.errors import DataPlaneError, TransportError
 from libs.dataplane.meta import TensorMeta, check_meta
 from libs.dataplane.store import TensorStore
@@ -39,18 +39,6 @@ log = logging.getLogger(__name__)
 class _FetchStats:
     seconds: float = 0.0
     nbytes: int = 0  # pulled from other executors (local inputs are zero-copy views)
-
-
-def resolve_model_path(model: str, root: Path) -> str:
-    """A spec's model reference -> what ``from_pretrained`` gets.
-
-    Absolute paths are used as they are; a name found under the model root (``T2I_EXECUTOR_MODEL_ROOT``)
-    is that folder; anything else is passed through (a Hub id on a machine that can reach a hub).
-    """
-    if not model or os.path.isabs(model):
-        return model
-    local = root / model
-    return str(local) if local.exists() else model
 
 
 class ModelCache:
@@ -141,7 +129,7 @@ class NodeRunner:
     def run_sync(self, d: Dispatch) -> NodeOutcome:
         fn = self.models.fn(d.fn)
         declared = fn.inputs
-        missing = [n for n in declared if n not in d.inputs]
+        missing = [n for n in declared if n not in d.inputs and n not in fn.optional]
         unknown = [n for n in d.inputs if n not in declared]
         if missing or unknown:
             raise NodeError(f"{d.fn} got inputs {sorted(d.inputs)}, declares {sorted(declared)}")

@@ -1,0 +1,19 @@
+"""Where model references in specs point on an executor."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def resolve_model_path(model: str, root: Path | str) -> str:
+    """A spec's model (or LoRA) reference -> what ``from_pretrained`` / a loader gets.
+
+    Absolute paths are used as they are; a name found under the model root
+    (``T2I_EXECUTOR_MODEL_ROOT``) is that file or folder; anything else is passed through (a Hub id
+    on a machine that can reach a hub).
+    """
+    if not model or os.path.isabs(model):
+        return model
+    local = Path(root) / model
+    return str(local) if local.exists() else model
