@@ -42,8 +42,38 @@ class TensorInput(msgspec.Struct, tag="tensor", tag_field="kind", omit_defaults=
     meta: TensorMeta
 
 
+class TensorListInput(msgspec.Struct, tag="tensors", tag_field="kind", omit_defaults=True):
+    """An input that is a list of tensors (e.g. a ControlNet's per-block residuals)."""
+
+    metas: list[TensorMeta]
+
+
 class ConstInput(msgspec.Struct, tag="const", tag_field="kind", omit_defaults=True):
     value: Scalar
+
+
+class ImageInput(msgspec.Struct, tag="image", tag_field="kind", omit_defaults=True):
+    """A picture sent with the request (an ``image`` parameter), in the images bucket."""
+
+    name: str
+
+
+class PendingInput(msgspec.Struct, tag="pending", tag_field="kind", omit_defaults=True):
+    """A callback input whose producer is still running (§5.2): its metadata follows in a
+    ``CallbackReady`` message, and the consumer fetches when its forward needs it."""
+
+    producer: str  # node id within the request
+    output: str
+
+
+class LoraInput(msgspec.Struct, tag="lora", tag_field="kind", omit_defaults=True):
+    """A ``lora`` parameter: a registered adapter's safetensors path (relative to the model root,
+    or absolute)."""
+
+    path: str
+
+
+InputBinding = TensorInput | TensorListInput | ConstInput | ImageInput | PendingInput | LoraInput
 
 
 class OutputPlan(msgspec.Struct, omit_defaults=True):
@@ -61,7 +91,7 @@ class Dispatch(_Msg, tag="dispatch"):
     tenant: str
     fn: str
     model: str
-    inputs: dict[str, TensorInput | ConstInput]
+    inputs: dict[str, InputBinding]
     outputs: list[OutputPlan]
     callbacks: list[str] = []
 
@@ -86,13 +116,23 @@ class ReleaseRequest(_Msg, tag="release_request"):
     attempt: int = -1
 
 
+class CallbackReady(_Msg, tag="callback_ready"):
+    """The producer of a pending callback input has finished: here is where its output lives."""
+
+    request_id: str
+    attempt: int
+    node_id: str  # the consuming node
+    input: str
+    meta: TensorMeta | list[TensorMeta]
+
+
 class Ack(_Msg, tag="ack"):
     ok: bool = True
     error: str = ""
     seq: int = 0  # the executor's heartbeat sequence number when it accepted the dispatch
 
 
-ExecutorMsg = Dispatch | ReleaseTensors | ReleaseRequest
+ExecutorMsg = Dispatch | ReleaseTensors | ReleaseRequest | CallbackReady
 
 
 # -- executor -> scheduler (pub/sub events) ------------------------------------------------------
@@ -124,7 +164,7 @@ class NodeComplete(_Msg, tag="node_complete"):
     request_id: str
     attempt: int
     node_id: str
-    outputs: dict[str, TensorMeta] = {}
+    outputs: dict[str, TensorMeta | list[TensorMeta]] = {}
     sinks: dict[str, ImageRef] = {}
     timing: NodeTiming = NodeTiming()
     bytes_in: int = 0  # bytes pulled from other executors

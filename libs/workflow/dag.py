@@ -37,7 +37,14 @@ class ImageSource:
     ref: str
 
 
-Source = TensorSource | Const | ImageSource
+@dataclass(frozen=True, slots=True)
+class LoraSource:
+    """A ``lora`` parameter: the adapter's safetensors path (resolved on the executor)."""
+
+    path: str
+
+
+Source = TensorSource | Const | ImageSource | LoraSource
 
 
 @dataclass(slots=True)
@@ -48,8 +55,11 @@ class DagNode:
     inputs: dict[str, Source]
     callbacks: frozenset[str]
     outputs: tuple[str, ...]
-    deps: frozenset[str]  # ids of the nodes whose outputs this node reads
+    deps: frozenset[str]  # nodes that must finish before this one starts (its ordinary inputs)
     order: int  # position in a topological order of the whole DAG
+    # Producers of callback inputs only (§5.2): this node may start once they have *started*,
+    # and fetches their outputs part-way through its own execution.
+    cb_deps: frozenset[str] = frozenset()
 
 
 @dataclass
@@ -57,7 +67,8 @@ class Dag:
     nodes: dict[str, DagNode]  # in topological order
     outputs: dict[str, TensorSource]  # workflow output name -> the tensor holding it
     consumers: dict[TensorSource, int] = field(default_factory=dict)  # readers per tensor (edges)
-    successors: dict[str, list[str]] = field(default_factory=dict)
+    successors: dict[str, list[str]] = field(default_factory=dict)  # via ordinary inputs
+    cb_successors: dict[str, list[str]] = field(default_factory=dict)  # via callback inputs only
 
     def roots(self) -> list[str]:
         return [n.id for n in self.nodes.values() if not n.deps]
@@ -79,11 +90,14 @@ def unroll(
     nodes: list[DagNode] = []
     read: dict[str, set[str]] = {}
     images = {n for n, p in spec.params.items() if p.type == "image"}
+    loras = {n for n, p in spec.params.items() if p.type == "lora"}
 
     def param(name: str) -> Source:
         value = params[name]
         if name in images:
             return ImageSource(str(value)) if value else Const(None)
+        if name in loras:
+            return LoraSource(str(value)) if value else Const("")
         return Const(value)
 
     def run(
@@ -102,7 +116,11 @@ def unroll(
                 for src in inputs.values():
                     if isinstance(src, TensorSource):
                         read.setdefault(src.node, set()).add(src.output)
-                deps = frozenset(s.node for s in inputs.values() if isinstance(s, TensorSource))
+                cbs = (frozenset(callbacks.get(op.fn, frozenset())) | frozenset(op.callbacks)) & frozenset(inputs)
+                deps = frozenset(s.node for n, s in inputs.items() if isinstance(s, TensorSource) and n not in cbs)
+                cb_deps = frozenset(
+                    s.node for n, s in inputs.items() if isinstance(s, TensorSource) and n in cbs
+                ) - deps
                 outs = tuple(outputs_of[op.fn]) if outputs_of and op.fn in outputs_of else ()
                 nodes.append(
                     DagNode(
@@ -110,10 +128,11 @@ def unroll(
                         fn=op.fn,
                         model=op.model,
                         inputs=inputs,
-                        callbacks=frozenset(callbacks.get(op.fn, frozenset())) & frozenset(inputs),
+                        callbacks=cbs,
                         outputs=outs,
                         deps=deps,
                         order=len(nodes),
+                        cb_deps=cb_deps,
                     )
                 )
                 if len(nodes) > MAX_NODES:
@@ -164,13 +183,22 @@ def unroll(
 
     consumers: dict[TensorSource, int] = {}
     successors: dict[str, list[str]] = {n.id: [] for n in nodes}
+    cb_successors: dict[str, list[str]] = {n.id: [] for n in nodes}
     for n in nodes:
         for src in n.inputs.values():
             if isinstance(src, TensorSource):
                 consumers[src] = consumers.get(src, 0) + 1
         for d in n.deps:
             successors[d].append(n.id)
+        for d in n.cb_deps:
+            cb_successors[d].append(n.id)
     if not outputs_of:
         for n in nodes:
             n.outputs = tuple(sorted(read.get(n.id, ())))
-    return Dag(nodes={n.id: n for n in nodes}, outputs=outputs, consumers=consumers, successors=successors)
+    return Dag(
+        nodes={n.id: n for n in nodes},
+        outputs=outputs,
+        consumers=consumers,
+        successors=successors,
+        cb_successors=cb_successors,
+    )

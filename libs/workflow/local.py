@@ -18,7 +18,7 @@ from typing import Any
 
 from libs.common.paths import resolve_model_path
 from libs.workflow import catalog
-from libs.workflow.dag import Const, DagNode, ImageSource, TensorSource, unroll
+from libs.workflow.dag import Const, DagNode, ImageSource, LoraSource, TensorSource, unroll
 from libs.workflow.errors import ParamError
 from libs.workflow.modelfn import Deferred, ModelFn
 from libs.workflow.params import resolve_params
@@ -74,6 +74,8 @@ class LocalRunner:
             for name, src in node.inputs.items():
                 if isinstance(src, Const):
                     kwargs[name] = src.value
+                elif isinstance(src, LoraSource):
+                    kwargs[name] = src.path
                 elif isinstance(src, ImageSource):
                     if src.ref not in (images or {}):
                         raise ParamError(name, f"no image {src.ref!r}")

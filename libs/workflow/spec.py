@@ -66,6 +66,7 @@ class NodeSpec(msgspec.Struct, tag="call", forbid_unknown_fields=True, omit_defa
     model: str = ""
     inputs: dict[str, str] = {}
     consts: dict[str, Scalar] = {}
+    callbacks: list[str] = []  # inputs fetched mid-execution; filled in from the ModelFn on validation
 
 
 class LoopSpec(msgspec.Struct, tag="loop", forbid_unknown_fields=True, omit_defaults=True):

@@ -254,7 +254,8 @@ class _Validator:
             resolved = self.resolve_ref(found, f"{path}.inputs.{name}", chain, op.id)
             if resolved:
                 inputs[name] = resolved
-        return msgspec.structs.replace(op, inputs=dict(sorted(inputs.items())))
+        callbacks = sorted(n for n in inputs if sig.inputs.get(n))
+        return msgspec.structs.replace(op, inputs=dict(sorted(inputs.items())), callbacks=callbacks)
 
     def resolve_loop(self, op: LoopSpec, path: str, chain: tuple[_Body, ...]) -> LoopSpec:
         body = self.loop_bodies.get(op.id) or _Body(ops=list(op.body), path=f"{path}.body", loop=op)

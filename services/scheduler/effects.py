@@ -5,13 +5,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from libs.dataplane.meta import TensorMeta
-from libs.protocol.messages import Dispatch, RequestResult
+from libs.protocol.messages import CallbackReady, Dispatch, RequestResult
 
 
 @dataclass(frozen=True)
 class SendDispatch:
     executor: str
     msg: Dispatch
+
+
+@dataclass(frozen=True)
+class SendCallback:
+    """Tell the executor running a node where a callback input it is waiting for now lives."""
+
+    executor: str
+    msg: CallbackReady
 
 
 @dataclass(frozen=True)
@@ -55,4 +63,4 @@ class ChargeVTime:
     service_s: float = 0.0
 
 
-Effect = SendDispatch | ReleaseAttempt | PersistRequest | Finished | ChargeVTime
+Effect = SendDispatch | SendCallback | ReleaseAttempt | PersistRequest | Finished | ChargeVTime

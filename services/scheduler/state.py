@@ -19,94 +19,44 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from dataclasses import dataclass, field
-from enum import Enum
 
 from libs.dataplane.meta import TensorMeta
 from libs.protocol.messages import (
+    CallbackReady,
     ConstInput,
     Dispatch,
     ExecutorHeartbeat,
-    ImageRef,
+    ImageInput,
     ImageRequest,
+    InputBinding,
+    LoraInput,
     NodeComplete,
     NodeFailed,
     OutputPlan,
+    PendingInput,
     RequestResult,
     TensorInput,
+    TensorListInput,
     node_key,
 )
-from libs.workflow.dag import Const, Dag, TensorSource
+from libs.workflow.dag import Const, Dag, ImageSource, LoraSource, TensorSource
 from services.scheduler.accounting import Accounts
-from services.scheduler.effects import Effect, Finished, PersistRequest, ReleaseAttempt, SendDispatch
+from services.scheduler.effects import (
+    Effect,
+    Finished,
+    PersistRequest,
+    ReleaseAttempt,
+    SendCallback,
+    SendDispatch,
+)
 from services.scheduler.estimates import Estimator, shape_key
 from services.scheduler.policy import Policy
+from services.scheduler.records import ExecutorState, NodeStatus, RequestRun, metas_of, split_key
 from services.scheduler.snapshot import ExecutorInfo, ReadyNode, Snapshot
 
 log = logging.getLogger(__name__)
 
 LOAD_HALF_LIFE_S = 10.0
-
-
-class NodeStatus(Enum):
-    WAITING = "waiting"
-    READY = "ready"
-    RUNNING = "running"
-    DONE = "done"
-
-
-@dataclass
-class ExecutorState:
-    id: str
-    kind: str
-    fns: frozenset[str]
-    last_seen: float
-    resident: frozenset[str] = frozenset()
-    arena_free: int = 0
-    running: str | None = None  # node key we dispatched and have not seen finish
-    acked_seq: int | None = None  # executor's heartbeat seq when it accepted ``running``
-    foreign: tuple[str, ...] = ()  # nodes it reports running that this scheduler never dispatched
-    suspect: bool = False  # a dispatch to it went unanswered: skip it until it heartbeats again
-    load: float = 0.0
-    load_at: float = 0.0
-
-    @property
-    def idle(self) -> bool:
-        return self.running is None and not self.foreign and not self.suspect
-
-
-@dataclass
-class RequestRun:
-    """One attempt at one request."""
-
-    req: ImageRequest
-    dag: Dag
-    attempt: int
-    arrived: float
-    deadline: float
-    status: dict[str, NodeStatus]
-    remaining: dict[str, int]  # node -> dependencies not yet done
-    ready: dict[str, float] = field(default_factory=dict)  # node -> since (insertion ordered)
-    running: dict[str, str] = field(default_factory=dict)  # node -> executor
-    tensors: dict[TensorSource, TensorMeta] = field(default_factory=dict)
-    reads_left: dict[TensorSource, int] = field(default_factory=dict)
-    sinks: dict[str, ImageRef] = field(default_factory=dict)
-    done: int = 0
-    executors: set[str] = field(default_factory=set)
-    bytes_moved: int = 0
-    gpu_s: float = 0.0
-    retries: dict[str, int] = field(default_factory=dict)
-    restarts: int = 0
-    # Accounting (paper §6): what each running node was charged, and what its estimate was keyed by.
-    charges: dict[str, float] = field(default_factory=dict)
-    shapes: dict[str, str] = field(default_factory=dict)
-    kinds: dict[str, str] = field(default_factory=dict)
-    critical: dict[str, float] = field(default_factory=dict)  # node -> estimated path to the end
-    job_s: float = 0.0  # estimated total work of the request
-
-    @property
-    def request_id(self) -> str:
-        return self.req.request_id
 
 
 class SchedulerCore:
@@ -151,11 +101,10 @@ class SchedulerCore:
             status={n: NodeStatus.WAITING for n in dag.nodes},
             remaining={n.id: len(n.deps) for n in dag.nodes.values()},
             reads_left=dict(dag.consumers),
+            cb_waiting={n.id: set(n.cb_deps) for n in dag.nodes.values() if n.cb_deps},
         )
         for n in dag.nodes.values():
-            if not n.deps:
-                run.status[n.id] = NodeStatus.READY
-                run.ready[n.id] = arrived
+            self._check_ready(run, n.id, arrived)
         # Remaining critical-path time per node (Layer 2's r), from the current estimates.
         est = {n.id: self.estimator.estimate(n.fn, n.model) for n in dag.nodes.values()}
         for node_id in reversed(dag.nodes):
@@ -163,6 +112,16 @@ class SchedulerCore:
             run.critical[node_id] = est[node_id] + tail
         run.job_s = sum(est.values())
         return run
+
+    def _check_ready(self, run: RequestRun, node_id: str, now: float) -> None:
+        """A node is ready when its ordinary inputs exist and its callback producers have started."""
+        if (
+            run.status[node_id] is NodeStatus.WAITING
+            and run.remaining[node_id] == 0
+            and not run.cb_waiting.get(node_id)
+        ):
+            run.status[node_id] = NodeStatus.READY
+            run.ready[node_id] = now
 
     @property
     def active(self) -> int:
@@ -200,8 +159,9 @@ class SchedulerCore:
         effects: list[Effect] = []
         for run in list(self.runs.values()):
             if executor_id in run.running.values() or any(
-                meta.executor == executor_id and run.reads_left.get(src, 0) > 0
+                m.executor == executor_id and run.reads_left.get(src, 0) > 0
                 for src, meta in run.tensors.items()
+                for m in metas_of(meta)
             ):
                 effects += self._restart(run, now, f"executor {executor_id} lost ({reason})")
         return effects
@@ -219,7 +179,7 @@ class SchedulerCore:
         log.warning("dispatch of %s to %s failed: %s", key, executor_id, error)
         ex.running = None
         ex.suspect = True
-        request_id, attempt, node_id = _split_key(key)
+        request_id, attempt, node_id = split_key(key)
         run = self.runs.get(request_id)
         refund: list[Effect] = []
         if run is not None and run.attempt == attempt and run.running.get(node_id) == executor_id:
@@ -246,9 +206,10 @@ class SchedulerCore:
             for node_id, since in run.ready.items():
                 node = run.dag.nodes[node_id]
                 inputs = tuple(
-                    (run.tensors[s].executor, run.tensors[s].nbytes)
+                    (m.executor, m.nbytes)
                     for s in node.inputs.values()
                     if isinstance(s, TensorSource) and s in run.tensors
+                    for m in metas_of(run.tensors[s])
                 )
                 shapes = self._shapes(run, node_id)
                 ready.append(
@@ -285,7 +246,7 @@ class SchedulerCore:
     def _shapes(self, run: RequestRun, node_id: str) -> str:
         node = run.dag.nodes[node_id]
         return shape_key(
-            (name, run.tensors[src].shape)
+            (name, [d for m in metas_of(run.tensors[src]) for d in m.shape])
             for name, src in node.inputs.items()
             if isinstance(src, TensorSource) and src in run.tensors
         )
@@ -323,7 +284,7 @@ class SchedulerCore:
             self._note_waiting()
             return effects
         for a in decision.assignments:
-            request_id, attempt, node_id = _split_key(a.node_key)
+            request_id, attempt, node_id = split_key(a.node_key)
             run = self.runs.get(request_id)
             ex = self.executors.get(a.executor)
             if run is None or run.attempt != attempt or node_id not in run.ready or ex is None or not ex.idle:
@@ -356,9 +317,9 @@ class SchedulerCore:
         self._known_keys[key] = None
         while len(self._known_keys) > 100_000:
             self._known_keys.popitem(last=False)
-        inputs: dict[str, TensorInput | ConstInput] = {}
+        inputs: dict[str, InputBinding] = {}
         for name, src in node.inputs.items():
-            inputs[name] = ConstInput(src.value) if isinstance(src, Const) else TensorInput(run.tensors[src])
+            inputs[name] = self._binding(run, node_id, name, src)
         sinks = {src: name for name, src in run.dag.outputs.items()}
         outputs = [
             OutputPlan(
@@ -382,9 +343,28 @@ class SchedulerCore:
             callbacks=sorted(node.callbacks),
         )
         effects: list[Effect] = [SendDispatch(ex.id, msg), self.accounts.charge(run.req.tenant, charge_s)]
+        for consumer in run.dag.cb_successors.get(node_id, ()):  # they may start now (§5.2)
+            waiting = run.cb_waiting.get(consumer)
+            if waiting is not None:
+                waiting.discard(node_id)
+                self._check_ready(run, consumer, now)
         if run.done == 0 and len(run.running) == 1:
             effects.append(self._persist(run, status="running"))
         return effects
+
+    def _binding(self, run: RequestRun, node_id: str, name: str, src: object) -> InputBinding:
+        if isinstance(src, Const):
+            return ConstInput(src.value)
+        if isinstance(src, ImageSource):
+            return ImageInput(src.ref)
+        if isinstance(src, LoraSource):
+            return LoraInput(src.path)
+        assert isinstance(src, TensorSource)
+        meta = run.tensors.get(src)
+        if meta is None:  # a callback input whose producer is still running: forwarded later
+            run.pending.setdefault(node_id, {})[name] = src
+            return PendingInput(src.node, src.output)
+        return TensorListInput(meta) if isinstance(meta, list) else TensorInput(meta)
 
     # -- completions -------------------------------------------------------------------------------
     def on_complete(self, msg: NodeComplete, now: float) -> list[Effect]:
@@ -422,11 +402,19 @@ class SchedulerCore:
         run.bytes_moved += msg.bytes_in
         run.gpu_s += msg.timing.total_s
         new_tensors: dict[str, TensorMeta] = {}
+        forwards: list[Effect] = []
         for out, meta in msg.outputs.items():
             src = TensorSource(node.id, out)
             if src in run.dag.consumers:
                 run.tensors[src] = meta
-                new_tensors[meta.tensor_id] = meta
+                new_tensors.update((m.tensor_id, m) for m in metas_of(meta))
+        for consumer in run.dag.cb_successors.get(node.id, ()):  # running consumers wait for these
+            waiting = run.pending.get(consumer, {})
+            for name, src in list(waiting.items()):
+                if src.node == node.id and src in run.tensors and consumer in run.running:
+                    ready = CallbackReady(run.request_id, run.attempt, consumer, name, run.tensors[src])
+                    forwards.append(SendCallback(run.running[consumer], ready))
+                    del waiting[name]
         for inp in node.inputs.values():
             if isinstance(inp, TensorSource):
                 run.reads_left[inp] = run.reads_left.get(inp, 1) - 1
@@ -434,12 +422,10 @@ class SchedulerCore:
             run.sinks[sinks[out]] = ref
         for succ in run.dag.successors[node.id]:
             run.remaining[succ] -= 1
-            if run.remaining[succ] == 0:
-                run.status[succ] = NodeStatus.READY
-                run.ready[succ] = now
+            self._check_ready(run, succ, now)
         if run.done == len(run.dag.nodes):
-            return [correction, *self._succeed(run)]
-        return [correction, self._persist(run, status="running", tensors=new_tensors)]
+            return [correction, *forwards, *self._succeed(run)]
+        return [correction, *forwards, self._persist(run, status="running", tensors=new_tensors)]
 
     def on_failed(self, msg: NodeFailed, now: float) -> list[Effect]:
         ex = self.executors.get(msg.executor)
@@ -470,7 +456,7 @@ class SchedulerCore:
     def _requeue(
         self, key: str, executor_id: str, now: float, reason: str, count_retry: bool = True
     ) -> list[Effect]:
-        request_id, attempt, node_id = _split_key(key)
+        request_id, attempt, node_id = split_key(key)
         run = self.runs.get(request_id)
         if run is None or run.attempt != attempt or run.running.get(node_id) != executor_id:
             return []
@@ -485,6 +471,15 @@ class SchedulerCore:
                 )
         run.status[node_id] = NodeStatus.READY
         run.ready[node_id] = now
+        run.pending.pop(node_id, None)
+        for consumer in run.dag.cb_successors.get(node_id, ()):
+            # It is no longer running: consumers that have not started must wait for it again, so
+            # none sits on an executor waiting for a producer that has no executor (deadlock).
+            if run.status[consumer] in (NodeStatus.WAITING, NodeStatus.READY):
+                run.cb_waiting.setdefault(consumer, set()).add(node_id)
+                if run.status[consumer] is NodeStatus.READY:
+                    run.status[consumer] = NodeStatus.WAITING
+                    run.ready.pop(consumer, None)
         return []
 
     def _restart(self, run: RequestRun, now: float, reason: str) -> list[Effect]:
@@ -582,8 +577,3 @@ class SchedulerCore:
             "ready_nodes": sum(len(r.ready) for r in self.runs.values()),
             "running_nodes": sum(len(r.running) for r in self.runs.values()),
         }
-
-
-def _split_key(key: str) -> tuple[str, int, str]:
-    request_id, attempt, node_id = key.split("/", 2)
-    return request_id, int(attempt), node_id

@@ -264,3 +264,80 @@ def test_a_node_that_cannot_read_a_dead_producers_tensor_restarts_the_request_at
     assert core.runs["r1"].attempt == 2 and producer not in core.executors
     (f,) = [e for e in drive(core, 0.3) if isinstance(e, Finished)]
     assert f.result.status == "succeeded" and f.result.executors == [consumer.executor]
+
+
+# -- callback inputs (§5.2): a ControlNet in parallel with the base model -------------------------------
+def control_dag(steps: int = 1):
+    from libs.workflow.compose import Workflow
+    from tests.support.toyfns import PARAMS, Control, ControlledDenoiser, Decode, Encode, Prepare, Step
+
+    enc, prep, ctl, den, step, dec = Encode(), Prepare(), Control(), ControlledDenoiser(), Step(), Decode()
+    with Workflow("ctl", params=PARAMS) as wf:
+        enc()
+        init = prep()
+
+        def body(step, latents):
+            control_outputs = ctl(latents=latents)
+            noise_pred = den(latents=latents, control_outputs=control_outputs)
+            return step_(noise_pred=noise_pred, latents=latents)
+
+        step_ = step
+        wf.output("image", dec(latents=wf.loop(steps, body, latents=init.latents)))
+    spec = validate_spec(wf.spec(), CATALOG)
+    return unroll(spec, resolve_params(spec, {"prompt": "p"}), outputs_of=OUTPUTS)
+
+
+def run_roots(core, now=0.0):
+    for d in dispatches(core.schedule(now)):
+        core.on_complete(complete(d), now)
+
+
+def test_a_base_model_starts_once_its_controlnet_has_started_and_gets_the_control_output_forwarded():
+    from libs.protocol.messages import PendingInput
+    from services.scheduler.effects import SendCallback
+
+    core = SchedulerCore(fifo)
+    for e in ("e1", "e2", "e3"):
+        core.on_heartbeat(hb(e), 0.0)
+    core.add_request(request(), control_dag(), attempt=1, now=0.0)
+    run_roots(core)  # encode, prepare
+    first = dispatches(core.schedule(1.0))
+    assert [d.msg.node_id for d in first] == ["control@0"]  # the base model waits for it to start
+    second = dispatches(core.schedule(1.0))
+    (base,) = second
+    assert base.msg.node_id == "controlled_denoiser@0" and base.executor != first[0].executor
+    assert base.msg.inputs["control_outputs"] == PendingInput("control@0", "control_outputs")
+    assert base.msg.callbacks == ["control_outputs"]
+    effects = core.on_complete(complete(first[0]), 1.5)
+    (fwd,) = [e for e in effects if isinstance(e, SendCallback)]
+    assert fwd.executor == base.executor and fwd.msg.node_id == "controlled_denoiser@0"
+    assert fwd.msg.input == "control_outputs" and fwd.msg.meta.tensor_id.endswith("control@0/control_outputs")
+    core.on_complete(complete(base), 2.0)
+    (step,) = dispatches(core.schedule(2.0))
+    assert step.msg.node_id == "step@0"
+
+
+def test_with_one_executor_the_base_model_runs_after_the_controlnet_with_its_output_in_hand():
+    core = SchedulerCore(fifo)
+    core.on_heartbeat(hb("e1"), 0.0)
+    core.add_request(request(), control_dag(), attempt=1, now=0.0)
+    run_roots(core)
+    run_roots(core)
+    (ctl,) = dispatches(core.schedule(1.0))
+    assert ctl.msg.node_id == "control@0" and dispatches(core.schedule(1.0)) == []  # no executor free
+    core.on_complete(complete(ctl), 1.5)
+    (base,) = dispatches(core.schedule(1.5))
+    assert isinstance(base.msg.inputs["control_outputs"], TensorInput)  # no pending: fetched directly
+
+
+def test_a_controlnet_that_could_not_be_dispatched_holds_its_base_model_back_again():
+    core = SchedulerCore(fifo)
+    for e in ("e1", "e2"):
+        core.on_heartbeat(hb(e), 0.0)
+    core.add_request(request(), control_dag(), attempt=1, now=0.0)
+    run_roots(core)
+    (ctl,) = dispatches(core.schedule(1.0))
+    core.dispatch_result(ctl.msg.key, ctl.executor, ok=False, seq=0, error="no responders", now=1.1)
+    # The base model must not start on the other executor and wait for a ControlNet with no executor.
+    (again,) = dispatches(core.schedule(1.2))
+    assert again.msg.node_id == "control@0"

@@ -117,11 +117,17 @@ def test_parallel_controlnet_node_runs_beside_the_denoiser_and_callback_inputs_a
         step_ = step
         wf.output("image", dec(latents=wf.loop(2, body, latents=init.latents)))
     spec = validate_spec(wf.spec(), CATALOG)
-    cbs = {k: frozenset(n for n, cb in v.inputs.items() if cb) for k, v in CATALOG.items()}
-    dag = unroll(spec, resolve_params(spec, {"prompt": "x"}), callbacks=cbs)
-    assert dag.nodes["control@0"].deps == dag.nodes["controlled_denoiser@0"].deps - {"control@0"}
+    (den_spec,) = [op for op in spec.body[2].body if op.fn == "toy.controlled_denoiser"]
+    assert den_spec.callbacks == ["control_outputs"]  # the registry records it in the stored spec
+    dag = unroll(spec, resolve_params(spec, {"prompt": "x"}))  # no signatures needed any more
+    # The ControlNet and the denoiser of a step depend on the same things: they run in parallel.
+    assert dag.nodes["control@0"].deps == dag.nodes["controlled_denoiser@0"].deps
     assert dag.nodes["controlled_denoiser@1"].callbacks == frozenset({"control_outputs"})
-    assert "control@1" in dag.nodes["controlled_denoiser@1"].deps
+    # The denoiser need not wait for the ControlNet to finish, only to start (cb_deps).
+    assert "control@1" not in dag.nodes["controlled_denoiser@1"].deps
+    assert dag.nodes["controlled_denoiser@1"].cb_deps == frozenset({"control@1"})
+    assert dag.cb_successors["control@1"] == ["controlled_denoiser@1"]
+    assert dag.consumers[TensorSource("control@1", "control_outputs")] == 1
 
 
 def hand_spec(**changes: object) -> WorkflowSpec:
