@@ -29,7 +29,7 @@ class Png:
 
 @dataclass
 class NodeOutcome:
-    outputs: dict[str, TensorMeta]
+    outputs: dict[str, TensorMeta | list[TensorMeta]]
     pngs: dict[str, Png]
     timing: NodeTiming
     bytes_in: int

@@ -27,9 +27,20 @@ from libs.common.paths import resolve_model_path
 from libs.dataplane.errors import DataPlaneError, TransportError
 from libs.dataplane.meta import TensorMeta, check_meta
 from libs.dataplane.store import TensorStore
-from libs.protocol.messages import ConstInput, Dispatch, NodeTiming, tensor_id
+from libs.protocol.messages import (
+    ConstInput,
+    Dispatch,
+    ImageInput,
+    LoraInput,
+    NodeTiming,
+    PendingInput,
+    TensorInput,
+    TensorListInput,
+    tensor_id,
+)
 from libs.workflow import catalog
 from libs.workflow.modelfn import Deferred, ModelFn
+from services.executor.callbacks import CallbackBox
 from services.executor.outcome import NodeError, NodeOutcome, Png
 
 log = logging.getLogger(__name__)
@@ -85,6 +96,20 @@ class ModelCache:
             return sorted(self._components)
 
 
+def decode_image(data: bytes | None, name: str) -> Any:
+    """An ``image`` input: the PNG the gateway validated and stored, as an RGB ``PIL.Image``."""
+    from PIL import Image
+
+    if data is None:
+        raise NodeError(f"image {name!r} is missing from the images bucket (expired?)")
+    try:
+        img = Image.open(io.BytesIO(data))
+        img.load()
+    except Exception as e:  # noqa: BLE001 - corrupt input: the node fails, the executor does not
+        raise NodeError(f"image {name!r} cannot be decoded: {e}") from e
+    return img.convert("RGB")
+
+
 def encode_png(image: torch.Tensor) -> Png:
     """A uint8 [H, W, 3] (or [1, H, W, 3]) tensor -> PNG bytes."""
     from PIL import Image
@@ -107,17 +132,30 @@ class NodeRunner:
     """Runs dispatched nodes for real, one at a time, in one worker thread (``run``), so the
     executor's asyncio loop stays free for heartbeats and releases."""
 
-    def __init__(self, store: TensorStore, models: ModelCache, device: str = "cpu") -> None:
+    def __init__(
+        self,
+        store: TensorStore,
+        models: ModelCache,
+        device: str = "cpu",
+        callbacks: CallbackBox | None = None,
+        callback_timeout_s: float = 300.0,
+    ) -> None:
         self.store = store
         self.models = models
         self.device = torch.device(device)
+        self.callbacks = callbacks or CallbackBox()
+        self.callback_timeout_s = callback_timeout_s
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="node")
 
-    async def run(self, d: Dispatch) -> NodeOutcome:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self.run_sync, d)
+    async def run(self, d: Dispatch, blobs: dict[str, bytes] | None = None) -> NodeOutcome:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self.run_sync, d, blobs or {})
 
     def resident(self) -> list[str]:
         return self.models.resident()
+
+    def _put(self, tid: str, value: torch.Tensor, consumers: int, group: str) -> TensorMeta:
+        self.store.release(tid, count=1 << 30)  # a retried node replaces its earlier output
+        return self.store.put(tid, value, consumers=consumers, group=group)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
@@ -126,7 +164,8 @@ class NodeRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def run_sync(self, d: Dispatch) -> NodeOutcome:
+    def run_sync(self, d: Dispatch, blobs: dict[str, bytes] | None = None) -> NodeOutcome:
+        blobs = blobs or {}
         fn = self.models.fn(d.fn)
         declared = fn.inputs
         missing = [n for n in declared if n not in d.inputs and n not in fn.optional]
@@ -158,17 +197,37 @@ class NodeRunner:
                 fetch.nbytes += meta.nbytes
             return tensor
 
+        def pull_any(value: TensorMeta | list[TensorMeta]) -> Any:
+            metas = value if isinstance(value, list) else [value]
+            reads.extend(metas)
+            tensors = [pull(m) for m in metas]
+            return tensors if isinstance(value, list) else tensors[0]
+
+        def wait_pending(name: str) -> Any:
+            t0 = time.perf_counter()
+            value = self.callbacks.wait(CallbackBox.key(d.key, name), self.callback_timeout_s)
+            fetch.seconds += time.perf_counter() - t0  # waiting for the producer: not compute
+            return pull_any(value)
+
         inputs: dict[str, Any] = {}
+        deferred: dict[str, tuple[Deferred, Any]] = {}
         try:
             for name, inp in d.inputs.items():
-                if isinstance(inp, ConstInput):
-                    inputs[name] = inp.value
-                    continue
-                reads.append(inp.meta)
-                if declared[name]:  # callback input: fetched when execute reaches it (§5.2)
-                    inputs[name] = Deferred(name, functools.partial(pull, inp.meta))
-                else:
-                    inputs[name] = pull(inp.meta)
+                match inp:
+                    case ConstInput(value=value):
+                        inputs[name] = value
+                    case LoraInput(path=path):
+                        inputs[name] = resolve_model_path(path, self.models.root)
+                    case ImageInput(name=obj):
+                        inputs[name] = decode_image(blobs.get(obj), obj)
+                    case PendingInput():  # producer still running: wait only when execute asks
+                        inputs[name] = Deferred(name, functools.partial(wait_pending, name))
+                    case TensorInput(meta=meta) | TensorListInput(metas=meta):
+                        if declared[name]:  # callback input: fetched when execute reaches it (§5.2)
+                            deferred[name] = (Deferred(name, functools.partial(pull_any, meta)), meta)
+                            inputs[name] = deferred[name][0]
+                        else:
+                            inputs[name] = pull_any(meta)
             fetch_s_before = fetch.seconds
             self._sync()
             t0 = time.perf_counter()
@@ -188,19 +247,29 @@ class NodeRunner:
 
         if not isinstance(outs, dict):
             raise NodeError(f"{d.fn}.execute returned {type(outs).__name__}, not a dict of outputs")
+        for dfr, meta in deferred.values():  # callback inputs execute never asked for: done with too
+            if not dfr.fetched:
+                reads.extend(meta if isinstance(meta, list) else [meta])
         t0 = time.perf_counter()
         group = f"{d.request_id}/{d.attempt}"
-        metas: dict[str, TensorMeta] = {}
+        metas: dict[str, TensorMeta | list[TensorMeta]] = {}
         pngs: dict[str, Png] = {}
         for plan in d.outputs:
             value = outs.get(plan.name)
-            if not isinstance(value, torch.Tensor):
-                raise NodeError(f"{d.fn}.execute returned no tensor for output {plan.name!r}")
+            tensors = list(value) if isinstance(value, list | tuple) else [value]
+            if not all(isinstance(v, torch.Tensor) for v in tensors):
+                raise NodeError(
+                    f"{d.fn}.execute returned no tensor (or list of tensors) for output {plan.name!r}"
+                )
             if plan.consumers > 0:
                 tid = tensor_id(d.request_id, d.attempt, d.node_id, plan.name)
-                self.store.release(tid, count=1 << 30)  # a retried node replaces its earlier output
                 try:
-                    metas[plan.name] = self.store.put(tid, value, consumers=plan.consumers, group=group)
+                    if isinstance(value, list | tuple):  # a list output: one tensor each, in order
+                        metas[plan.name] = [
+                            self._put(f"{tid}#{i}", v, plan.consumers, group) for i, v in enumerate(value)
+                        ]
+                    else:
+                        metas[plan.name] = self._put(tid, value, plan.consumers, group)
                 except DataPlaneError as e:
                     raise NodeError(f"storing {plan.name}: {e}", retryable=e.retryable) from e
             if plan.sink:
@@ -209,5 +278,6 @@ class NodeRunner:
         for lease in leases:
             lease.close()
         leases.clear()
+        self.callbacks.forget(d.key)
         timing = NodeTiming(load_s=load_s, fetch_s=fetch.seconds, exec_s=max(exec_s, 0.0), store_s=store_s)
         return NodeOutcome(outputs=metas, pngs=pngs, timing=timing, bytes_in=fetch.nbytes, reads=reads)

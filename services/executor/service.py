@@ -24,9 +24,11 @@ from nats.js.object_store import ObjectStore
 
 from libs.protocol.messages import (
     Ack,
+    CallbackReady,
     Dispatch,
     ExecutorGoodbye,
     ExecutorHeartbeat,
+    ImageInput,
     ImageRef,
     NodeComplete,
     NodeFailed,
@@ -36,6 +38,7 @@ from libs.protocol.messages import (
     executor_decoder,
 )
 from libs.protocol.subjects import Subjects
+from services.executor.callbacks import CallbackBox
 from services.executor.outcome import NodeError, NodeOutcome
 
 log = logging.getLogger(__name__)
@@ -44,7 +47,9 @@ log = logging.getLogger(__name__)
 class Runner(Protocol):
     """Runs one node at a time: for real (a worker thread) or simulated (sleeping)."""
 
-    async def run(self, d: Dispatch) -> NodeOutcome: ...
+    callbacks: CallbackBox
+
+    async def run(self, d: Dispatch, blobs: dict[str, bytes] | None = None) -> NodeOutcome: ...
 
     def resident(self) -> list[str]: ...
 
@@ -161,8 +166,14 @@ class ExecutorService:
             case ReleaseTensors(tensor_ids=ids):
                 for tid in ids:
                     self.store.release(tid)
+            case CallbackReady():
+                self.runner.callbacks.deliver(
+                    CallbackBox.key(f"{m.request_id}/{m.attempt}/{m.node_id}", m.input), m.meta
+                )
             case ReleaseRequest(request_id=rid, attempt=attempt):
                 attempts = list(self._attempts.get(rid, ())) if attempt < 0 else [attempt]
+                for a in attempts:
+                    self.runner.callbacks.cancel(rid, a)
                 freed = sum(self.store.release_group(f"{rid}/{a}") for a in attempts)
                 for a in attempts:
                     self._attempts[rid].discard(a)
@@ -184,7 +195,7 @@ class ExecutorService:
     async def _run(self, d: Dispatch) -> None:
         self._attempts[d.request_id].add(d.attempt)
         try:
-            outcome = await self.runner.run(d)
+            outcome = await self.runner.run(d, await self._fetch_images(d))
             sinks = await self._upload(d, outcome)
         except NodeError as e:
             log.warning("node %s failed: %s", d.key, e)
@@ -212,6 +223,19 @@ class ExecutorService:
                 bytes_in=outcome.bytes_in,
             )
         )
+
+    async def _fetch_images(self, d: Dispatch) -> dict[str, bytes]:
+        """Pictures sent with the request (``image`` parameters) come from the images bucket."""
+        from nats.js.errors import ObjectNotFoundError
+
+        blobs: dict[str, bytes] = {}
+        for inp in d.inputs.values():
+            if isinstance(inp, ImageInput) and inp.name not in blobs:
+                try:
+                    blobs[inp.name] = (await self.images.get(inp.name)).data
+                except ObjectNotFoundError:
+                    pass  # the runner fails the node, naming the missing image
+        return blobs
 
     async def _finish(self, event: NodeComplete | NodeFailed) -> None:
         self.current = None

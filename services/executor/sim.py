@@ -29,8 +29,9 @@ from typing import Any
 from libs.dataplane.buddy import BuddyAllocator
 from libs.dataplane.errors import ArenaFullError
 from libs.dataplane.meta import TensorMeta
-from libs.protocol.messages import Dispatch, NodeTiming, TensorInput, tensor_id
+from libs.protocol.messages import Dispatch, NodeTiming, TensorInput, TensorListInput, tensor_id
 from libs.sim.profile import Profile
+from services.executor.callbacks import CallbackBox
 from services.executor.outcome import NodeError, NodeOutcome, Png
 
 
@@ -103,6 +104,7 @@ class SimRunner:
         self.capacity_gb = profile.gpu_memory_gb.value
         self._resident: OrderedDict[str, float] = OrderedDict()  # "fn|model" -> size, LRU order
         self._bw = profile.transfer_gb_s.value * 1e9 if profile.transfer_gb_s else 0.0
+        self.callbacks = CallbackBox()  # simulated nodes never wait for callback inputs
 
     def resident(self) -> list[str]:
         return list(self._resident)
@@ -123,13 +125,18 @@ class SimRunner:
         self._resident[key] = size_gb
         return load_s
 
-    async def run(self, d: Dispatch) -> NodeOutcome:
+    async def run(self, d: Dispatch, blobs: dict[str, bytes] | None = None) -> NodeOutcome:
         prof = self.profile.model(d.model)
         if prof is None:
             raise NodeError(f"model {d.model!r} is not in simulation profile {self.profile.name!r}")
         key = f"{d.fn}|{d.model}"
         load_s = self._load(key, prof.size_gb.value, prof.load_s.value)
-        reads = [i.meta for i in d.inputs.values() if isinstance(i, TensorInput)]
+        reads = [
+            m
+            for i in d.inputs.values()
+            if isinstance(i, TensorInput | TensorListInput)
+            for m in (i.metas if isinstance(i, TensorListInput) else [i.meta])
+        ]
         remote = sum(m.nbytes for m in reads if m.executor != self.store.executor_id)
         fetch_s = remote / self._bw if self._bw else 0.0
         planned = load_s + fetch_s + prof.exec_s.value
