@@ -9,8 +9,12 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
 from libs.protocol.messages import (
+    GetLora,
     GetWorkflow,
+    ListLoras,
     ListWorkflows,
+    LoraInfo,
+    RegisterLora,
     RegisterWorkflow,
     RegistryReply,
     encode,
@@ -75,3 +79,17 @@ class RegistryClient:
 
     async def list(self) -> RegistryReply:
         return await self._call("list", encode(ListWorkflows()))
+
+    async def register_lora(self, lora: LoraInfo) -> RegistryReply:
+        return await self._call("lora", encode(RegisterLora(lora=lora)))
+
+    async def lora(self, name: str) -> LoraInfo | None:
+        reply = await self._call("lora", encode(GetLora(name=name)))
+        if not reply.ok:
+            if reply.status == 404:
+                return None
+            raise RegistryUnavailable(reply.error)
+        return reply.loras[0]
+
+    async def list_loras(self) -> list[LoraInfo]:
+        return (await self._call("lora", encode(ListLoras()))).loras

@@ -4,6 +4,7 @@
 |---|---|---|
 | ``{ns}:wf:index`` | hash | workflow name -> latest version |
 | ``{ns}:wf:{name}`` | hash | version -> spec JSON (immutable once written) |
+| ``{ns}:loras`` | hash | LoRA name -> JSON {name, path, description} |
 | ``{ns}:req:{request_id}`` | hash | request state: status, tenant, workflow, nodes done/total, result, error |
 | ``{ns}:tensors:{request_id}`` | hash | tensor id -> TensorMeta JSON of live intermediate tensors |
 | ``{ns}:vtime`` | hash | tenant -> cumulative vTime (GPU seconds, estimates corrected, lifts) |
@@ -27,6 +28,10 @@ class Keys:
 
     def workflow(self, name: str) -> str:
         return f"{self.ns}:wf:{name}"
+
+    @property
+    def loras(self) -> str:
+        return f"{self.ns}:loras"
 
     def request(self, request_id: str) -> str:
         return f"{self.ns}:req:{request_id}"

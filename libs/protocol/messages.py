@@ -243,7 +243,28 @@ class ListWorkflows(_Msg, tag="list"):
     pass
 
 
-RegistryRequest = RegisterWorkflow | GetWorkflow | ListWorkflows
+class LoraInfo(msgspec.Struct, omit_defaults=True):
+    """A registered LoRA adapter: requests name it; executors load ``path`` (relative to their model
+    root, or absolute) onto the base model."""
+
+    name: str
+    path: str
+    description: str = ""
+
+
+class RegisterLora(_Msg, tag="register_lora"):
+    lora: LoraInfo
+
+
+class GetLora(_Msg, tag="get_lora"):
+    name: str
+
+
+class ListLoras(_Msg, tag="list_loras"):
+    pass
+
+
+RegistryRequest = RegisterWorkflow | GetWorkflow | ListWorkflows | RegisterLora | GetLora | ListLoras
 
 
 class Problem(msgspec.Struct):
@@ -267,6 +288,7 @@ class RegistryReply(_Msg, tag="registry_reply"):
     status: int = 200  # HTTP status the gateway should answer with
     problems: list[Problem] = []
     created: bool = False
+    loras: list[LoraInfo] = []
 
 
 def node_key(request_id: str, attempt: int, node_id: str) -> str:

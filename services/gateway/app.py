@@ -5,6 +5,7 @@
 | ``POST /v1/images/generations`` | tenant | OpenAI-compatible image generation (synchronous) |
 | ``GET /v1/images/files/{request_id}/{name}`` | the tenant that made it | a generated PNG (``response_format: url``) |
 | ``POST /v1/workflows`` | admin | register a workflow spec (versioned) |
+| ``POST /v1/loras``, ``GET /v1/loras`` | admin / tenant | register (name -> safetensors path) / list LoRAs |
 | ``GET /v1/workflows``, ``GET /v1/workflows/{name}`` | tenant | list / look up workflows |
 | ``GET /v1/admin/tenants`` | admin | per-tenant vTime, service, queued/running counts |
 | ``GET /healthz`` | anyone | the process is up |
@@ -34,7 +35,7 @@ from libs.common.registry_client import RegistryUnavailable, WorkflowNotFound
 from libs.common.runner import close_quietly
 from libs.common.settings import CommonSettings
 from libs.protocol.keys import Keys
-from libs.protocol.messages import ImageRef, ImageRequest, RequestResult
+from libs.protocol.messages import ImageRef, ImageRequest, LoraInfo, RequestResult
 from libs.protocol.subjects import Subjects
 from libs.workflow.spec import WorkflowSpec, encode_spec
 from services.gateway.auth import ApiKeys, Principal, bearer
@@ -42,6 +43,7 @@ from services.gateway.bridge import Bridge
 from services.gateway.config import GatewayConfig
 from services.gateway.errors import ApiError
 from services.gateway.generation import Generation, parse_generation, parse_model
+from services.gateway.inputs import resolve_inputs
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +124,8 @@ async def generate(request: web.Request) -> web.Response:
     body = await read_json(request)
     spec = await lookup_workflow(bridge, parse_model(body))
     gen = parse_generation(body, spec, cfg.max_n)  # type: ignore[arg-type]
+    gen_id = uuid.uuid4().hex[:20]
+    await resolve_inputs(spec, gen.params, body, request.app[BRIDGE], gen_id)  # type: ignore[arg-type]
     inflight = app[INFLIGHT]
     if inflight[0] + gen.n > cfg.max_inflight:
         raise ApiError(
@@ -129,16 +133,15 @@ async def generate(request: web.Request) -> web.Response:
         )
     inflight[0] += gen.n
     try:
-        return await _run_generation(request, spec, gen, principal)
+        return await _run_generation(request, spec, gen, principal, gen_id)
     finally:
         inflight[0] -= gen.n
 
 
 async def _run_generation(
-    request: web.Request, spec: WorkflowSpec, gen: Generation, who: Principal
+    request: web.Request, spec: WorkflowSpec, gen: Generation, who: Principal, gen_id: str
 ) -> web.Response:
     cfg, bridge, metrics = request.app[CONFIG], request.app[BRIDGE], request.app[METRICS]
-    gen_id = uuid.uuid4().hex[:20]
     ids = [f"{gen_id}-{i}" for i in range(gen.n)]
     futures = [bridge.expect(rid) for rid in ids]
     t0 = time.monotonic()
@@ -237,6 +240,34 @@ async def register_workflow(request: web.Request) -> web.Response:
     return web.json_response({"workflow": spec, "created": reply.created}, status=reply.status)
 
 
+async def register_lora(request: web.Request) -> web.Response:
+    if not request[PRINCIPAL].admin:
+        raise ApiError(403, "registering LoRA adapters needs an admin API key", code="forbidden")
+    body = await read_json(request)
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+    for key in body:
+        if key not in ("name", "path", "description"):
+            raise ApiError(422, f"{key}: unknown field", param=key, code="invalid_value")
+    for key in ("name", "path"):
+        if not isinstance(body.get(key), str):
+            raise ApiError(422, f"{key}: is required (a string)", param=key, code="invalid_value")
+    if not isinstance(body.get("description", ""), str):
+        raise ApiError(422, "description: must be a string", param="description", code="invalid_value")
+    lora = LoraInfo(name=body["name"], path=body["path"], description=body.get("description", ""))
+    reply = await request.app[BRIDGE].registry.register_lora(lora)
+    if not reply.ok:
+        param = reply.problems[0].path if reply.problems else None
+        raise ApiError(reply.status, reply.error, param=param, code="invalid_value")
+    data = {"lora": msgspec.to_builtins(reply.loras[0]), "created": reply.created}
+    return web.json_response(data, status=reply.status)
+
+
+async def list_loras(request: web.Request) -> web.Response:
+    loras = await request.app[BRIDGE].registry.list_loras()
+    return web.json_response({"object": "list", "data": msgspec.to_builtins(loras)})
+
+
 async def list_workflows(request: web.Request) -> web.Response:
     reply = await request.app[BRIDGE].registry.list()
     return web.json_response({"object": "list", "data": msgspec.to_builtins(reply.workflows)})
@@ -312,6 +343,8 @@ def make_app(cfg: GatewayConfig, common: CommonSettings, keys: ApiKeys) -> web.A
     app.router.add_post("/v1/workflows", register_workflow)
     app.router.add_get("/v1/workflows", list_workflows)
     app.router.add_get("/v1/workflows/{name}", get_workflow)
+    app.router.add_post("/v1/loras", register_lora)
+    app.router.add_get("/v1/loras", list_loras)
     app.router.add_get("/v1/admin/tenants", admin_tenants)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)

@@ -143,6 +143,10 @@ class Bridge:
                 out.setdefault(raw_tenant.decode(), {})[key] = conv(raw)
         return out
 
+    async def put_image(self, name: str, data: bytes) -> None:
+        assert self.images is not None
+        await self.images.put(name, data)
+
     async def request_tenant(self, request_id: str) -> str | None:
         t = await self.redis.hget(self.keys.request(request_id), "tenant")
         return t.decode() if t else None

@@ -8,15 +8,20 @@ invalid one gets an error reply naming the field and never disturbs other reques
 from __future__ import annotations
 
 import logging
+import re
 
 import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from libs.protocol.messages import (
+    GetLora,
     GetWorkflow,
+    ListLoras,
     ListWorkflows,
+    LoraInfo,
     Problem,
+    RegisterLora,
     RegisterWorkflow,
     RegistryReply,
     encode,
@@ -27,23 +32,29 @@ from libs.workflow.errors import SpecError
 from libs.workflow.modelfn import Signature
 from libs.workflow.spec import decode_spec, encode_spec
 from libs.workflow.validate import validate_spec
-from services.registry.store import WorkflowStore
+from services.registry.store import LoraStore, WorkflowStore
 
 log = logging.getLogger(__name__)
 
 
 class RegistryService:
     def __init__(
-        self, nc: Client, store: WorkflowStore, catalog: dict[str, Signature], subjects: Subjects
+        self,
+        nc: Client,
+        store: WorkflowStore,
+        catalog: dict[str, Signature],
+        subjects: Subjects,
+        loras: LoraStore | None = None,
     ) -> None:
         self.nc = nc
         self.store = store
+        self.loras = loras or LoraStore(store.redis, store.keys)
         self.catalog = catalog
         self.subjects = subjects
         self._subs: list = []
 
     async def start(self) -> None:
-        for op in ("register", "get", "list"):
+        for op in ("register", "get", "list", "lora"):
             self._subs.append(
                 await self.nc.subscribe(self.subjects.registry(op), queue="registry", cb=self._on_msg)
             )
@@ -82,6 +93,21 @@ class RegistryService:
                 return RegistryReply(ok=True, spec=msgspec.Raw(encode_spec(spec)))
             case ListWorkflows():
                 return RegistryReply(ok=True, workflows=await self.store.list())
+            case RegisterLora(lora=lora):
+                problems = check_lora(lora)
+                if problems:
+                    error = "invalid LoRA: " + "; ".join(f"{p.path}: {p.message}" for p in problems)
+                    return RegistryReply(ok=False, error=error, status=422, problems=problems)
+                created = await self.loras.put(lora)
+                log.info("LoRA %s -> %s %s", lora.name, lora.path, "registered" if created else "updated")
+                return RegistryReply(ok=True, loras=[lora], created=created, status=201 if created else 200)
+            case GetLora(name=name):
+                found = await self.loras.get(name)
+                if found is None:
+                    return RegistryReply(ok=False, error=f"unknown LoRA {name!r}", status=404)
+                return RegistryReply(ok=True, loras=[found])
+            case ListLoras():
+                return RegistryReply(ok=True, loras=await self.loras.list())
         return RegistryReply(ok=False, error="unhandled request", status=400)  # pragma: no cover
 
     async def register(self, raw: bytes) -> RegistryReply:
@@ -108,6 +134,23 @@ class RegistryService:
         return RegistryReply(
             ok=True, spec=msgspec.Raw(encode_spec(stored)), created=created, status=201 if created else 200
         )
+
+
+LORA_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+
+
+def check_lora(lora: LoraInfo) -> list[Problem]:
+    """A LoRA's name is a lowercase slug; its path is a .safetensors file without `..`."""
+    problems = []
+    if not LORA_NAME.match(lora.name):
+        problems.append(Problem("name", f"{lora.name!r} must match {LORA_NAME.pattern}"))
+    if not lora.path or len(lora.path) > 1024 or not lora.path.endswith(".safetensors"):
+        problems.append(Problem("path", "must be the path of a .safetensors file (at most 1024 characters)"))
+    elif ".." in lora.path.replace("\\", "/").split("/"):
+        problems.append(Problem("path", "must not contain `..`"))
+    if len(lora.description) > 1000:
+        problems.append(Problem("description", "at most 1000 characters"))
+    return problems
 
 
 def _path_of(message: str) -> str:

@@ -11,7 +11,7 @@ import msgspec
 from redis.asyncio import Redis
 
 from libs.protocol.keys import Keys
-from libs.protocol.messages import WorkflowSummary
+from libs.protocol.messages import LoraInfo, WorkflowSummary
 from libs.workflow.spec import WorkflowSpec, decode_spec
 
 # KEYS[1] = index hash (name -> latest), KEYS[2] = the workflow's hash (version -> spec JSON)
@@ -68,3 +68,23 @@ class WorkflowStore:
                     )
                 )
         return out
+
+
+class LoraStore:
+    """Registered LoRA adapters (name -> safetensors path). Re-registering a name replaces it."""
+
+    def __init__(self, redis: Redis, keys: Keys) -> None:
+        self.redis = redis
+        self.keys = keys
+
+    async def put(self, lora: LoraInfo) -> bool:
+        """Store ``lora``; True when the name is new."""
+        return bool(await self.redis.hset(self.keys.loras, lora.name, msgspec.json.encode(lora)))
+
+    async def get(self, name: str) -> LoraInfo | None:
+        raw = await self.redis.hget(self.keys.loras, name)
+        return msgspec.json.decode(raw, type=LoraInfo) if raw else None
+
+    async def list(self) -> list[LoraInfo]:
+        raw = await self.redis.hgetall(self.keys.loras)
+        return sorted((msgspec.json.decode(v, type=LoraInfo) for v in raw.values()), key=lambda x: x.name)

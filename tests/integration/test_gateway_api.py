@@ -169,3 +169,78 @@ async def test_an_oversized_body_gets_413_and_the_gateway_keeps_serving(api):
     err = await error_of(await client.post("/v1/images/generations", data=huge, headers=USER), 413)
     assert "too large" in err["message"]
     assert (await client.get("/v1/workflows", headers=USER)).status == 200
+
+
+def adapter_workflow() -> dict:
+    """A workflow with the adapter parameters of the catalog: a control image and a LoRA."""
+    from libs.sim.workflows import sim_workflow
+
+    spec = json.loads(encode_spec(sim_workflow("with-adapters", "x", steps=1)))
+    spec["params"]["control_image"] = {"type": "image", "required": True}
+    spec["params"]["lora"] = {"type": "lora", "default": ""}
+    return spec
+
+
+async def test_loras_are_registered_by_admins_and_checked(api):
+    client, _, _ = api
+    good = {"name": "style-a", "path": "loras/style-a.safetensors", "description": "test"}
+    await error_of(await client.post("/v1/loras", json=good, headers=USER), 403)
+    resp = await client.post("/v1/loras", json=good, headers=ADMIN)
+    assert resp.status == 201 and (await resp.json())["lora"]["path"] == "loras/style-a.safetensors"
+    assert (await client.post("/v1/loras", json=good, headers=ADMIN)).status == 200  # same name: updated
+    for bad, param in [
+        ({"name": "Bad Name", "path": "x.safetensors"}, "name"),
+        ({"name": "ok", "path": "../../etc/passwd.safetensors"}, "path"),
+        ({"name": "ok", "path": "weights.bin"}, "path"),
+        ({"name": "ok"}, "path"),
+        ({"name": "ok", "path": "a.safetensors", "extra": 1}, "extra"),
+    ]:
+        err = await error_of(await client.post("/v1/loras", json=bad, headers=ADMIN), 422)
+        assert err["param"] == param, err
+    listed = await (await client.get("/v1/loras", headers=USER)).json()
+    assert [x["name"] for x in listed["data"]] == ["style-a"]
+
+
+async def test_an_unknown_lora_or_a_control_image_that_is_not_an_image_gets_422(api):
+    import base64
+    import io
+
+    from PIL import Image
+
+    client, nc, common = api
+    assert (await client.post("/v1/workflows", json=adapter_workflow(), headers=ADMIN)).status == 201
+    buf = io.BytesIO()
+    Image.new("RGB", (16, 16), "red").save(buf, format="PNG")
+    png = base64.b64encode(buf.getvalue()).decode()
+    tiny = io.BytesIO()
+    Image.new("RGB", (2, 2)).save(tiny, format="PNG")
+
+    def body(**params):
+        return {"model": "with-adapters", "prompt": "x", "params": {"control_image": png, **params}}
+
+    cases = [
+        (body(lora="nope"), "params.lora", "unknown LoRA 'nope'"),
+        (body(control_image="%%% not base64"), "params.control_image", "not base64"),
+        (
+            body(control_image=base64.b64encode(b"just some text").decode()),
+            "params.control_image",
+            "not a readable image",
+        ),
+        (
+            body(control_image=base64.b64encode(buf.getvalue()[:40]).decode()),
+            "params.control_image",
+            "not a readable image",
+        ),
+        (
+            body(control_image=base64.b64encode(tiny.getvalue()).decode()),
+            "params.control_image",
+            "each side must be",
+        ),
+        (body(control_image=5), "params.control_image", "must be an image"),
+        ({"model": "with-adapters", "prompt": "x"}, "control_image", "is required"),
+    ]
+    for b, param, fragment in cases:
+        err = await error_of(await client.post("/v1/images/generations", json=b, headers=USER), 422)
+        assert err["param"] == param and fragment in err["message"], err
+    info = await nc.jetstream().stream_info(Subjects(common.namespace).intake_stream)
+    assert info.state.messages == 0  # nothing bad reached the scheduler

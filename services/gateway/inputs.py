@@ -1,0 +1,80 @@
+"""Workflow parameters that are not plain scalars: pictures and LoRA adapters.
+
+* ``image`` (a ControlNet's control image): base64 PNG or JPEG in the request (a ``data:`` URL is
+  accepted too). It is decoded and checked here — real image data, sane dimensions, a size
+  limit — normalised to an RGB PNG and put in the images bucket. Executors fetch it from there,
+  since pictures can exceed NATS' 1 MiB payload limit. The parameter then carries the object's name.
+* ``lora``: the name of a registered adapter (``POST /v1/loras``), replaced by its path. An
+  unknown name is refused here, before anything reaches the scheduler.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import re
+from typing import Any
+
+from libs.workflow.spec import WorkflowSpec
+from services.gateway.bridge import Bridge
+from services.gateway.errors import invalid
+
+MAX_IMAGE_BYTES = 16 << 20
+MAX_SIDE = 4096
+MIN_SIDE = 8
+DATA_URL = re.compile(r"^data:image/[a-z+.-]+;base64,", re.I)
+
+
+def field_name(param: str, body: dict[str, Any]) -> str:
+    return f"params.{param}" if param in body.get("params", {}) else param
+
+
+def decode_image(field: str, value: str) -> bytes:
+    """A base64 picture -> RGB PNG bytes, or a 422 naming ``field``."""
+    from PIL import Image, UnidentifiedImageError
+
+    raw_b64 = DATA_URL.sub("", value.strip(), count=1)
+    if len(raw_b64) > MAX_IMAGE_BYTES * 4 // 3 + 4:
+        raise invalid(field, f"image is larger than {MAX_IMAGE_BYTES >> 20} MiB")
+    try:
+        raw = base64.b64decode(raw_b64, validate=True)
+    except (binascii.Error, ValueError):
+        raise invalid(field, "is not base64-encoded image data") from None
+    try:
+        with Image.open(io.BytesIO(raw)) as img:
+            if img.format not in ("PNG", "JPEG", "WEBP"):
+                raise invalid(field, f"must be a PNG, JPEG or WebP image, got {img.format}")
+            w, h = img.size
+            if not (MIN_SIDE <= w <= MAX_SIDE and MIN_SIDE <= h <= MAX_SIDE):
+                raise invalid(field, f"image is {w}x{h}; each side must be {MIN_SIDE}..{MAX_SIDE} pixels")
+            img.load()  # decode fully: truncated or corrupt data fails here, not on an executor
+            out = io.BytesIO()
+            img.convert("RGB").save(out, format="PNG")
+            return out.getvalue()
+    except (UnidentifiedImageError, OSError, SyntaxError, Image.DecompressionBombError) as e:
+        raise invalid(field, f"is not a readable image ({type(e).__name__})") from None
+
+
+async def resolve_inputs(
+    spec: WorkflowSpec, params: list[dict[str, Any]], body: dict[str, Any], bridge: Bridge, gen_id: str
+) -> None:
+    """Replace image and LoRA parameters in every image's parameters, in place."""
+    for name, p in spec.params.items():
+        if p.type not in ("image", "lora"):
+            continue
+        value = params[0].get(name)
+        if not value:
+            continue
+        field = field_name(name, body)
+        if p.type == "lora":
+            lora = await bridge.registry.lora(value)
+            if lora is None:
+                raise invalid(field, f"unknown LoRA {value!r} (register it with POST /v1/loras)")
+            resolved = lora.path
+        else:
+            png = decode_image(field, value)
+            resolved = f"inputs/{gen_id}/{name}.png"
+            await bridge.put_image(resolved, png)
+        for one in params:
+            one[name] = resolved
