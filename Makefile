@@ -9,11 +9,13 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: run test lint bench install brokers models compose-check clean
 
-$(STAMP): pyproject.toml
+# tests/plugins/t2i_example is a user ModelFn package, installed the way users ship theirs.
+$(STAMP): pyproject.toml tests/plugins/t2i_example/pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet torch==2.13.0
 	$(BIN)/python -m pip install --quiet -e '.[executor,local,test,bench]'
+	$(BIN)/python -m pip install --quiet --no-deps -e tests/plugins/t2i_example
 	@touch $@
 
 install: $(STAMP)

@@ -212,3 +212,54 @@ def test_an_executor_killed_mid_request_still_returns_the_same_image(broker_urls
         assert "restarting request" in stack.read_log("scheduler")
     finally:
         stop_stack(stack, broker_urls)
+
+
+def test_a_user_workflow_with_a_plugin_modelfn_is_registered_with_the_sdk_and_generates(stack, tiny_models):
+    from libs.models.flux import (
+        FlowMatchEulerStep,
+        FluxClipEncoder,
+        FluxPrepareLatents,
+        FluxT5Encoder,
+        FluxTransformer,
+        FluxVaeDecode,
+    )
+    from libs.models.workflows import flux_params
+    from libs.sdk import SDKError, Workflow, generate, register
+    from libs.workflow import catalog
+
+    invert = catalog.load_class("example.invert")  # a user's package, found through its entry point
+    assert invert.__module__ == "t2i_example.fns"
+    m = "tiny-flux"
+    clip, t5, prep, flux, euler, vae = (
+        FluxClipEncoder(m),
+        FluxT5Encoder(m),
+        FluxPrepareLatents(m),
+        FluxTransformer(m),
+        FlowMatchEulerStep(m),
+        FluxVaeDecode(m),
+    )
+    with Workflow(
+        "inverted-flux",
+        params=flux_params(width=64, height=64, steps=2, max_sequence_length=64),
+        sizes=["64x64"],
+    ) as wf:
+        clip()
+        t5()
+        init = prep()
+        latents = wf.loop(
+            "num_inference_steps",
+            lambda step, latents: euler(noise_pred=flux(latents=latents), latents=latents),
+            latents=init.latents,
+        )
+        wf.output("image", invert()(image=vae(latents=latents)))
+    stored = register(wf, base_url=stack.url, api_key=KEY)
+    assert stored["created"] and stored["workflow"]["version"] == 1
+    (png,) = generate("inverted-flux", "a red fox", base_url=stack.url, api_key=KEY, seed=3)
+    want = monolithic(tiny_models, "a red fox", seed=3, steps=2, width=64, height=64)
+    assert np.array_equal(np.array(Image.open(io.BytesIO(png))), 255 - want)
+    # A spec naming a ModelFn no executor has is refused with the problem named.
+    bad = wf.spec()
+    bad.body[0].fn = "example.missing"
+    with pytest.raises(SDKError) as e:
+        register(bad, base_url=stack.url, api_key=KEY)
+    assert e.value.status == 422 and e.value.param == "body[0].fn" and "unknown ModelFn" in e.value.message

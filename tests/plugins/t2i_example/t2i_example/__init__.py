@@ -1,0 +1,1 @@
+"""An example of a user's ModelFn package (installed on executors, never uploaded)."""
