@@ -14,9 +14,11 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-# A loader turns a safetensors path into (state dict, prefix) for ``load_lora_adapter``; each
-# family's pipeline has its own key conventions (``XLoraLoaderMixin.lora_state_dict``).
-Loader = Callable[[str], tuple[dict[str, Any], str | None]]
+# A loader turns a safetensors path into (state dict, prefix) — or (state dict, prefix, extra
+# keyword arguments such as ``network_alphas`` / ``metadata``) — for ``load_lora_adapter``. Each
+# family's pipeline has its own key conventions (``XLoraLoaderMixin.lora_state_dict``), and the
+# alphas stored with a LoRA decide its scaling: a loader must pass them on.
+Loader = Callable[[str], tuple[Any, ...]]
 
 
 def adapter_name(path: str) -> str:
@@ -38,8 +40,10 @@ class LoraSwitch:
             return
         name = adapter_name(path)
         if name not in self._loaded:
-            state_dict, prefix = self.loader(path)
-            self.model.load_lora_adapter(state_dict, prefix=prefix, adapter_name=name)
+            loaded = self.loader(path)
+            state_dict, prefix = loaded[0], loaded[1]
+            extra = loaded[2] if len(loaded) > 2 else {}
+            self.model.load_lora_adapter(state_dict, prefix=prefix, adapter_name=name, **extra)
             self._loaded[name] = None
             while len(self._loaded) > self.max_adapters:
                 old, _ = self._loaded.popitem(last=False)

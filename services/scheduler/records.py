@@ -63,6 +63,7 @@ class RequestRun:
     gpu_s: float = 0.0
     retries: dict[str, int] = field(default_factory=dict)
     restarts: int = 0
+    callbacks_forwarded: int = 0  # callback inputs whose metadata followed a running consumer
     # Accounting (paper §6): what each running node was charged, and what its estimate was keyed by.
     charges: dict[str, float] = field(default_factory=dict)
     shapes: dict[str, str] = field(default_factory=dict)

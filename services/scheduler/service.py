@@ -50,6 +50,7 @@ from services.scheduler.effects import (
     Finished,
     PersistRequest,
     ReleaseAttempt,
+    SendCallback,
     SendDispatch,
 )
 from services.scheduler.state import SchedulerCore
@@ -218,7 +219,7 @@ class SchedulerService:
                 self._tasks.add(t)
                 t.add_done_callback(self._tasks.discard)
             else:
-                self._io.put_nowait(e)
+                self._io.put_nowait(e)  # in order: a callback's metadata follows its dispatch
 
     async def _send_dispatch(self, e: SendDispatch) -> None:
         key = e.msg.key
@@ -247,12 +248,16 @@ class SchedulerService:
                         await self.vtimes.apply(e)
                     case PersistRequest():
                         await self._persist(e)
+                    case SendCallback(executor=ex, msg=ready):
+                        await self.nc.publish(self.subjects.executor(ex), encode(ready))
                     case ReleaseAttempt(request_id=rid, attempt=attempt):
                         await self.nc.publish(
                             self.subjects.executors_all, encode(ReleaseRequest(rid, attempt))
                         )
                     case Finished(result=result, tenant=tenant):
                         await self._finish(result, tenant, self._intake_msgs.pop(result.request_id, None))
+                    case _:
+                        log.error("no handler for effect %r", e)  # a bug: every effect must be handled
             except Exception:  # noqa: BLE001
                 log.exception("carrying out %s failed", type(e).__name__)
 

@@ -414,6 +414,7 @@ class SchedulerCore:
                 if src.node == node.id and src in run.tensors and consumer in run.running:
                     ready = CallbackReady(run.request_id, run.attempt, consumer, name, run.tensors[src])
                     forwards.append(SendCallback(run.running[consumer], ready))
+                    run.callbacks_forwarded += 1
                     del waiting[name]
         for inp in node.inputs.values():
             if isinstance(inp, TensorSource):
@@ -541,6 +542,7 @@ class SchedulerCore:
             "bytes_moved": run.bytes_moved,
             "gpu_s": round(run.gpu_s, 6),
             "executors": ",".join(sorted(run.executors)),
+            "callbacks_forwarded": run.callbacks_forwarded,
             **{k: v for k, v in extra.items() if v},
         }
         return PersistRequest(run.request_id, fields, tensors or {}, drop_tensors)
