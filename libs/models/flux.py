@@ -1,25 +1,60 @@
-"""The Flux model family as six ModelFns: diffusers' ``FluxPipeline.__call__`` cut at its seams.
+"""The Flux model family as ModelFns: diffusers' Flux pipelines cut at their seams.
 
-Each class below mirrors one stretch of ``diffusers/pipelines/flux/pipeline_flux.py`` (diffusers
-0.42.1) and runs it on its own, so a workflow of these nodes reproduces the monolithic pipeline's
-image bitwise (measured; ``shared/NOTES-diffusers.md``, "Decomposition is exact"):
+Each class below mirrors one stretch of ``diffusers/pipelines/flux/pipeline_flux.py`` or
+``pipeline_flux_controlnet.py`` (diffusers 0.42.1) and runs it on its own, so a workflow of these
+nodes reproduces the monolithic pipeline's image bitwise (measured; ``shared/NOTES-diffusers.md``,
+"Decomposition is exact"). Dev and schnell checkpoints use the same classes: the transformer adds
+guidance only when ``config.guidance_embeds``; schnell's scheduler (no dynamic shifting) goes through
+the same ``set_timesteps`` call, which then ignores ``mu``.
 
 ==========================  =====================================================================
-ModelFn (``fn_name``)       what it mirrors in ``FluxPipeline``
+ModelFn (``fn_name``)       what it mirrors
 ==========================  =====================================================================
 ``flux.clip_encoder``       ``_get_clip_prompt_embeds``: CLIP tokenizer + ``pooler_output``
 ``flux.t5_encoder``         ``_get_t5_prompt_embeds`` + the ``text_ids`` line of ``encode_prompt``
+``flux.control_encoder``    ControlNet pipeline step 3: ``prepare_image``, ``vae.encode`` sampled
+                            with the request's generator, shift/scale, ``_pack_latents``
 ``flux.prepare_latents``    step 4 ``prepare_latents`` (noise, 2x2 packing, ``latent_image_ids``)
                             and step 5 ``calculate_shift`` + ``retrieve_timesteps``
-``flux.transformer``        one iteration of the step-6 loop up to ``noise_pred`` (guidance, t/1000)
+``flux.controlnet``         the ``self.controlnet(...)`` call of the ControlNet pipeline's loop
+``flux.transformer``        one iteration of the loop up to ``noise_pred`` (guidance, t/1000),
+                            with optional ControlNet residuals (fetched mid-forward) and LoRA
+``flux.true_cfg``           ``noise_pred = neg + true_cfg_scale * (noise_pred - neg)``
 ``flux.flow_match_step``    the ``self.scheduler.step(noise_pred, t, latents)`` line of that loop
 ``flux.vae_decode``         the tail: ``_unpack_latents``, scale/shift, ``vae.decode``, postprocess
 ==========================  =====================================================================
 
 The denoising loop itself is the workflow's: for ``step`` in ``range(num_inference_steps)`` it binds
 ``flux.transformer`` then ``flux.flow_match_step``. Batch size is 1 and ``num_images_per_prompt`` is
-1 (the platform never batches requests: batching changes the bits). True CFG, IP-Adapter and
-callbacks are not mirrored; the ControlNet input of the transformer comes with the ControlNet issue.
+1 (the platform never batches requests: batching changes the bits). IP-Adapter, callbacks, control
+guidance start/end other than (0, 1), ControlNet-Union modes and XLabs-style ControlNets (with an
+``input_hint_block``) are not mirrored.
+
+ControlNet (paper §5.2). ``flux.controlnet`` is its own node every step, running in parallel with
+``flux.transformer``, which declares the two residual lists as optional *callback* inputs: it starts
+its forward at once and fetches ``controlnet_block_samples`` when the first double block has run
+(``FluxTransformer2DModel.forward`` first reads them after block 0) and the single ones after the
+first single block, through :class:`~libs.models.lazy.LazyList`. Left unbound, they are ``None`` and
+the same class serves the basic workflow.
+
+The generator trap. ``FluxControlNetPipeline`` samples the control image's VAE posterior with the
+request's generator *before* it draws the initial noise from it. ``flux.control_encoder`` therefore
+outputs the generator's state after its draw (``torch.Generator.get_state()``, a uint8 tensor that
+round-trips exactly), and ``flux.prepare_latents`` continues from it when its optional
+``generator_state`` input is bound, instead of seeding a fresh generator.
+
+LoRA. ``flux.transformer`` takes optional ``lora`` (a safetensors path, ``""``/unbound = none) and
+``lora_scale`` inputs. A :class:`~libs.models.lora.LoraSwitch` keeps adapters loaded as separate PEFT
+layers and switches per call (``set_adapters`` / ``disable_lora``), never fusing; adapters load the
+way ``FluxLoraLoaderMixin.load_lora_weights`` loads them into the transformer (``lora_state_dict``
+with network alphas and adapter metadata, prefix ``transformer``). Text-encoder LoRA weights are
+refused: the text-encoder nodes do not apply them, so the image would silently differ.
+
+True CFG (paper Fig. 12-right). ``FluxPipeline`` with ``negative_prompt`` and ``true_cfg_scale > 1``
+runs the transformer twice per step, unbatched, and combines. A workflow runs two ``flux.transformer``
+nodes per step (positive and negative embeddings; they may run on two executors) and the light
+``flux.true_cfg`` node. (The pipeline's ``cache_context("uncond")`` only matters with caching hooks,
+which are never enabled here.)
 
 Why the scheduler step is stateless. ``FlowMatchEulerDiscreteScheduler`` keeps ``sigmas`` and a
 ``_step_index`` between calls, but consecutive steps of one request may run on different executors
@@ -38,7 +73,8 @@ the noise takes the *T5* embeddings' dtype (``prepare_latents(..., prompt_embeds
 This module imports no torch, diffusers or transformers at import time: the registry reads
 ``signature()`` of these classes in a process without torch. Heavy imports live in the methods.
 The device is ``$T2I_DEVICE`` (default ``cpu``); ``flux.prepare_latents`` always runs on the CPU,
-as the pipeline's CPU generator draws the noise there.
+as the pipeline's CPU generator draws the noise there, and ``flux.control_encoder`` samples with a
+CPU generator too (``randn_tensor`` draws on the generator's device, then moves).
 """
 
 from __future__ import annotations
@@ -46,6 +82,8 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
+from libs.models.lazy import LazyList
+from libs.models.lora import LoraSwitch, adapter_name
 from libs.workflow.modelfn import ModelFn
 
 if TYPE_CHECKING:
@@ -233,9 +271,77 @@ class FluxT5Encoder(ModelFn):
         return {"prompt_embeds": prompt_embeds, "text_ids": text_ids}
 
 
+class FluxControlImageEncoder(ModelFn):
+    """The control image as ControlNet input: ``controlnet_cond`` [1, seq, 4C] (VAE latents of the
+    resized image, sampled, shifted, scaled and packed), and ``generator_state``, the request
+    generator's state after that sample (for ``flux.prepare_latents``). Loads the base model's VAE."""
+
+    fn_name = "flux.control_encoder"
+
+    def setup_io(self) -> None:
+        self.add_input("control_image")
+        self.add_input("height")
+        self.add_input("width")
+        self.add_input("seed")
+        self.add_output("controlnet_cond")
+        self.add_output("generator_state")
+
+    def load_model(self, model_path: str) -> dict[str, Any]:
+        from diffusers import AutoencoderKL, FluxTransformer2DModel
+        from diffusers.image_processor import VaeImageProcessor
+
+        vae = AutoencoderKL.from_pretrained(model_path, subfolder="vae").to(_device()).eval()
+        transformer_config = FluxTransformer2DModel.load_config(model_path, subfolder="transformer")
+        return {
+            "vae": vae,
+            # FluxControlNetPipeline.__init__: the image processor works in multiples of 2x the
+            # VAE's scale factor (packing).
+            "image_processor": VaeImageProcessor(vae_scale_factor=_vae_scale_factor(dict(vae.config)) * 2),
+            "num_channels_latents": int(transformer_config["in_channels"]) // 4,
+        }
+
+    def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
+        import torch
+
+        vae, image_processor = components["vae"], components["image_processor"]
+        image = inputs["control_image"]
+        if image is None:
+            raise ValueError("control_image is required")
+        with torch.no_grad():
+            # The request's generator, seeded as the caller of the pipeline seeds it.
+            generator = torch.Generator(device="cpu").manual_seed(int(inputs["seed"]))
+            # 3. Prepare control image (pipeline_flux_controlnet.py 914-944): prepare_image (627-658:
+            # preprocess = resize to height x width rounded down to the processor's multiple,
+            # normalise to [-1, 1]) at the VAE's dtype.
+            control = image_processor.preprocess(
+                image, height=int(inputs["height"]), width=int(inputs["width"])
+            )
+            # prepare_image's repeat_interleave (by batch size 1) is not a no-op for the bits: it
+            # turns preprocess's channels-last strided tensor into a contiguous one, and the VAE's
+            # convolutions round differently on the two layouts.
+            control = control.repeat_interleave(1, dim=0)
+            control = control.to(device=vae.device, dtype=vae.dtype)
+            # vae encode (932-933): retrieve_latents(..., generator) samples the posterior, the
+            # generator's first draw of the request.
+            control = vae.encode(control).latent_dist.sample(generator)
+            control = (control - vae.config.shift_factor) * vae.config.scaling_factor
+            # pack, with the transformer's channel count as the pipeline does
+            channels = components["num_channels_latents"]
+            if control.shape[1] != channels:
+                raise ValueError(
+                    f"the VAE gives {control.shape[1]} latent channels, the transformer wants {channels}"
+                )
+            control = _pack_latents(control, control.shape[2], control.shape[3])
+        return {"controlnet_cond": control, "generator_state": generator.get_state()}
+
+
 class FluxPrepareLatents(ModelFn):
     """Initial noise and schedule: ``latents`` [1, seq, 4C] (packed), ``latent_image_ids`` [seq, 3]
-    and ``timesteps`` [num_inference_steps] (fp32). Needs configs only, no weights."""
+    and ``timesteps`` [num_inference_steps] (fp32). Needs configs only, no weights.
+
+    ``generator_state`` (optional): the request generator's state after ``flux.control_encoder``
+    drew from it; when bound, the noise continues from it (the ControlNet pipeline's draw order)
+    instead of from a generator freshly seeded with ``seed``."""
 
     fn_name = "flux.prepare_latents"
 
@@ -244,6 +350,7 @@ class FluxPrepareLatents(ModelFn):
         self.add_input("height")
         self.add_input("width")
         self.add_input("num_inference_steps")
+        self.add_input("generator_state", optional=True)
         self.add_output("latents")
         self.add_output("latent_image_ids")
         self.add_output("timesteps")
@@ -271,9 +378,16 @@ class FluxPrepareLatents(ModelFn):
         height, width = _latent_size(inputs["height"], inputs["width"], components["vae_scale_factor"])
         channels, dtype = components["num_channels_latents"], components["latents_dtype"]
         with torch.no_grad():
-            # 4. prepare_latents: the request's only draw from its generator (randn_tensor with a
-            # CPU generator samples on the CPU).
-            generator = torch.Generator(device="cpu").manual_seed(seed)
+            # 4. prepare_latents: randn_tensor with the request's CPU generator samples on the CPU.
+            # FluxPipeline: the generator's first draw. FluxControlNetPipeline: its draw after the
+            # control image's VAE sample (pipeline_flux_controlnet.py 932, then 1003-1013), so we
+            # continue from the state after that draw.
+            generator = torch.Generator(device="cpu")
+            state = inputs.get("generator_state")
+            if state is None:
+                generator.manual_seed(seed)
+            else:
+                generator.set_state(state.to(device="cpu", dtype=torch.uint8).contiguous())
             noise = torch.randn((1, channels, height, width), generator=generator, device="cpu", dtype=dtype)
             latents = _pack_latents(noise, height, width)
             latent_image_ids = _latent_image_ids(height // 2, width // 2, dtype)
@@ -284,8 +398,154 @@ class FluxPrepareLatents(ModelFn):
         return {"latents": latents, "latent_image_ids": latent_image_ids, "timesteps": timesteps}
 
 
+class FluxControlNet(ModelFn):
+    """One ControlNet step (``FluxControlNetModel``): the residuals ``controlnet_block_samples`` and
+    ``controlnet_single_block_samples``, lists of [1, seq, inner_dim] tensors already multiplied by
+    the conditioning scale. Runs in parallel with ``flux.transformer`` of the same step."""
+
+    fn_name = "flux.controlnet"
+
+    def setup_io(self) -> None:
+        self.add_input("latents")
+        self.add_input("timesteps")
+        self.add_input("step")
+        self.add_input("guidance_scale")
+        self.add_input("controlnet_cond")
+        self.add_input("control_scale")
+        self.add_input("prompt_embeds")
+        self.add_input("pooled_prompt_embeds")
+        self.add_input("text_ids")
+        self.add_input("latent_image_ids")
+        self.add_output("controlnet_block_samples")
+        self.add_output("controlnet_single_block_samples")
+
+    def load_model(self, model_path: str) -> dict[str, Any]:
+        from diffusers import FluxControlNetModel
+
+        controlnet = FluxControlNetModel.from_pretrained(model_path)
+        if controlnet.input_hint_block is not None:
+            # The pipeline feeds such (XLabs) ControlNets the preprocessed image, not VAE latents,
+            # and the transformer repeats their blocks (controlnet_blocks_repeat=True).
+            raise NotImplementedError(f"{model_path}: ControlNets with an input_hint_block are not supported")
+        if controlnet.union:
+            raise NotImplementedError(f"{model_path}: ControlNet-Union (control modes) is not supported")
+        return {"controlnet": controlnet.to(_device()).eval()}
+
+    def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
+        import torch
+
+        controlnet = components["controlnet"]
+        device = controlnet.device
+        latents = inputs["latents"].to(device)
+        timesteps = inputs["timesteps"].to(device)
+        step = int(inputs["step"])
+        with torch.no_grad():
+            # pipeline_flux_controlnet.py 1042-1048 with the default control_guidance_start=0.0 and
+            # control_guidance_end=1.0: controlnet_keep[i] (1.0 at every step).
+            n = len(timesteps)
+            keep = 1.0 - float(step / n < 0.0 or (step + 1) / n > 1.0)
+            # 7. Denoising loop body, up to the controlnet call (1086-1119).
+            t = timesteps[step]
+            timestep = t.expand(latents.shape[0]).to(latents.dtype)
+            use_guidance = controlnet.config.guidance_embeds
+            guidance = (
+                torch.tensor([float(inputs["guidance_scale"])], device=device) if use_guidance else None
+            )
+            guidance = guidance.expand(latents.shape[0]) if guidance is not None else None
+            cond_scale = float(inputs["control_scale"]) * keep
+            block_samples, single_block_samples = controlnet(
+                hidden_states=latents,
+                controlnet_cond=inputs["controlnet_cond"].to(device),
+                controlnet_mode=None,
+                conditioning_scale=cond_scale,
+                timestep=timestep / 1000,
+                guidance=guidance,
+                pooled_projections=inputs["pooled_prompt_embeds"].to(device),
+                encoder_hidden_states=inputs["prompt_embeds"].to(device),
+                txt_ids=inputs["text_ids"].to(device),
+                img_ids=inputs["latent_image_ids"].to(device),
+                joint_attention_kwargs={},
+                return_dict=False,
+            )
+        # The model returns None for an empty list; outputs are lists of tensors.
+        return {
+            "controlnet_block_samples": list(block_samples or []),
+            "controlnet_single_block_samples": list(single_block_samples or []),
+        }
+
+
+def _control_residuals(value: Any, name: str, device: Any) -> LazyList | None:
+    """A ControlNet residual input as the transformer's forward wants it: None when unbound, else
+    a :class:`LazyList` that fetches (a Deferred is callable) at the forward's first use."""
+    if value is None:
+        return None
+    fetch = value if callable(value) else (lambda: value)
+
+    def pick(samples: Any) -> list[Any]:
+        if not samples:
+            # FluxTransformer2DModel.forward divides by len(samples): an empty list cannot stand
+            # for "no residuals" once the forward has started.
+            raise ValueError(f"{name} is empty: the ControlNet has no blocks of that kind")
+        return [sample.to(device) for sample in samples]
+
+    return LazyList(fetch, pick)
+
+
+class _FluxLoraTarget:
+    """What :class:`LoraSwitch` drives: the transformer itself, except that adapters load the way
+    ``FluxLoraLoaderMixin.load_lora_into_transformer`` loads them, with the network alphas and
+    adapter metadata that :func:`_flux_lora_loader` read from the same file."""
+
+    def __init__(self, transformer: Any, extras: dict[str, tuple[Any, Any]]) -> None:
+        self.transformer = transformer
+        self._extras = extras
+
+    def load_lora_adapter(self, state_dict: dict[str, Any], prefix: str | None, adapter_name: str) -> None:
+        network_alphas, metadata = self._extras.pop(adapter_name, (None, None))
+        # lora_pipeline.py 1676-1698, FluxLoraLoaderMixin.load_lora_into_transformer; low_cpu_mem_usage is
+        # load_lora_weights' default with peft and transformers > 4.45.2 (it only avoids a random
+        # init of the LoRA layers before the file's weights replace it).
+        self.transformer.load_lora_adapter(
+            state_dict,
+            prefix=prefix,
+            network_alphas=network_alphas,
+            adapter_name=adapter_name,
+            metadata=metadata,
+            low_cpu_mem_usage=True,
+        )
+
+    def __getattr__(self, name: str) -> Any:  # enable_lora, disable_lora, set_adapters, ...
+        return getattr(self.transformer, name)
+
+
+def _flux_lora_loader(extras: dict[str, tuple[Any, Any]]) -> Any:
+    def load(path: str) -> tuple[dict[str, Any], str]:
+        from diffusers import FluxPipeline
+
+        # FluxLoraLoaderMixin.load_lora_weights (lora_pipeline.py 1597-1600): the state dict
+        # (kohya/xlabs/... converted to diffusers keys), its network alphas and the adapter
+        # metadata stored in the file.
+        state_dict, network_alphas, metadata = FluxPipeline.lora_state_dict(
+            path, return_alphas=True, return_lora_metadata=True
+        )
+        foreign = sorted(k for k in state_dict if not (k.startswith("transformer.") and "lora" in k))
+        if foreign:
+            raise ValueError(
+                f"{path}: only transformer LoRA weights are supported; found {len(foreign)} other keys, "
+                f"e.g. {foreign[0]!r}"
+            )
+        extras[adapter_name(path)] = (network_alphas, metadata)
+        return state_dict, "transformer"
+
+    return load
+
+
 class FluxTransformer(ModelFn):
-    """One denoising step of the Flux transformer: ``noise_pred`` shaped like ``latents``."""
+    """One denoising step of the Flux transformer: ``noise_pred`` shaped like ``latents``.
+
+    Optional inputs: ``controlnet_block_samples`` / ``controlnet_single_block_samples`` (callback:
+    fetched inside the forward), ``lora`` (safetensors path, ``""`` = none) and ``lora_scale``
+    (default 1.0)."""
 
     fn_name = "flux.transformer"
 
@@ -298,13 +558,22 @@ class FluxTransformer(ModelFn):
         self.add_input("pooled_prompt_embeds")
         self.add_input("text_ids")
         self.add_input("latent_image_ids")
+        self.add_input("controlnet_block_samples", callback=True, optional=True)
+        self.add_input("controlnet_single_block_samples", callback=True, optional=True)
+        self.add_input("lora", optional=True)
+        self.add_input("lora_scale", optional=True)
         self.add_output("noise_pred")
 
     def load_model(self, model_path: str) -> dict[str, Any]:
         from diffusers import FluxTransformer2DModel
 
         transformer = FluxTransformer2DModel.from_pretrained(model_path, subfolder="transformer")
-        return {"transformer": transformer.to(_device()).eval()}
+        transformer = transformer.to(_device()).eval()
+        extras: dict[str, tuple[Any, Any]] = {}
+        return {
+            "transformer": transformer,
+            "lora": LoraSwitch(_FluxLoraTarget(transformer, extras), _flux_lora_loader(extras)),
+        }
 
     def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
         import torch
@@ -312,8 +581,18 @@ class FluxTransformer(ModelFn):
         transformer = components["transformer"]
         device = transformer.device
         latents = inputs["latents"].to(device)
+        # The request's adapter (or none), as pipe.set_adapters([name], [lora_scale]) would set it.
+        lora_scale = inputs.get("lora_scale")
+        components["lora"].use(inputs.get("lora") or None, 1.0 if lora_scale is None else float(lora_scale))
+        block_samples = _control_residuals(
+            inputs.get("controlnet_block_samples"), "controlnet_block_samples", device
+        )
+        single_block_samples = _control_residuals(
+            inputs.get("controlnet_single_block_samples"), "controlnet_single_block_samples", device
+        )
         with torch.no_grad():
-            # handle guidance (before the loop in the pipeline; a pure function of guidance_scale)
+            # handle guidance (before the loop in the pipeline; a pure function of guidance_scale).
+            # FluxControlNetPipeline builds it as torch.tensor([guidance_scale]): the same fp32 value.
             guidance = None
             if transformer.config.guidance_embeds:
                 guidance = torch.full(
@@ -323,6 +602,15 @@ class FluxTransformer(ModelFn):
             # 6. Denoising loop body: t = timesteps[i]; broadcast to the batch dimension.
             t = inputs["timesteps"].to(device)[int(inputs["step"])]
             timestep = t.expand(latents.shape[0]).to(latents.dtype)
+            kwargs: dict[str, Any] = {}
+            if block_samples is not None or single_block_samples is not None:
+                # pipeline_flux_controlnet.py 929 and 1127-1140: residuals of a ControlNet without
+                # input_hint_block, so controlnet_blocks_repeat=False.
+                kwargs = dict(
+                    controlnet_block_samples=block_samples,
+                    controlnet_single_block_samples=single_block_samples,
+                    controlnet_blocks_repeat=False,
+                )
             with transformer.cache_context("cond"):
                 noise_pred = transformer(
                     hidden_states=latents,
@@ -334,7 +622,36 @@ class FluxTransformer(ModelFn):
                     img_ids=inputs["latent_image_ids"].to(device),
                     joint_attention_kwargs={},
                     return_dict=False,
+                    **kwargs,
                 )[0]
+        return {"noise_pred": noise_pred}
+
+
+class FluxTrueCfg(ModelFn):
+    """True classifier-free guidance: ``noise_pred`` from the positive and negative predictions of
+    one step, ``neg + true_cfg_scale * (pos - neg)`` (``FluxPipeline`` with ``negative_prompt``).
+    With ``true_cfg_scale <= 1`` the pipeline skips the negative pass (``do_true_cfg`` is false),
+    so the positive prediction passes through unchanged."""
+
+    fn_name = "flux.true_cfg"
+
+    def setup_io(self) -> None:
+        self.add_input("noise_pred")
+        self.add_input("neg_noise_pred")
+        self.add_input("true_cfg_scale")
+        self.add_output("noise_pred")
+
+    def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
+        import torch
+
+        noise_pred = inputs["noise_pred"]
+        true_cfg_scale = float(inputs["true_cfg_scale"])
+        if not true_cfg_scale > 1:
+            return {"noise_pred": noise_pred}
+        with torch.no_grad():
+            neg_noise_pred = inputs["neg_noise_pred"].to(noise_pred.device)
+            # pipeline_flux.py 929: the true-CFG combination, same operations in the same order.
+            noise_pred = neg_noise_pred + true_cfg_scale * (noise_pred - neg_noise_pred)
         return {"noise_pred": noise_pred}
 
 

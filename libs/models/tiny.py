@@ -1,5 +1,11 @@
 """Flux pipelines built from configs with random weights, for tests and CPU benchmarks (no hub).
 
+``build(out_root)`` builds the tiny Flux family under ``out_root`` and returns name -> path:
+``tiny-flux`` (dev), ``tiny-flux-schnell``, ``tiny-flux-controlnet`` (a ``FluxControlNetModel`` with
+the tiny transformer's dimensions, for dev and schnell alike) and the LoRA file
+``loras/tiny-flux-style.safetensors`` (key ``tiny-flux-style``). Every piece is idempotent: a
+manifest written last marks it complete.
+
 ``build_flux(out_dir, preset, seed)`` builds a ``FluxPipeline`` from the configs below, seeds torch
 first so the weights are a function of ``seed``, saves it with ``save_pretrained`` (the layout every
 ``load_model`` reads) and writes a manifest, ``t2i-model.json``, last. A folder whose manifest
@@ -15,6 +21,24 @@ Tokenizers are built from in-memory vocabularies (transformers 5 needs no downlo
 * T5: a Unigram vocabulary of ``<pad>``, ``</s>``, ``<unk>`` (ids 0/1/2, as the T5 config expects),
   then word-initial pieces ``▁c`` and inner pieces ``c`` for letters of both cases, digits and
   punctuation.
+
+Variants: ``dev`` (guidance embedding; the scheduler shifts with the resolution, like FLUX.1-dev)
+and ``schnell`` (no guidance embedding; FLUX.1-schnell's scheduler: ``shift=1.0``, no dynamic
+shifting). Both draw their weights from the same seed in the same order, so their text encoders
+and VAE are identical; the transformers differ. A schnell folder's manifest adds
+``"variant": "schnell"``.
+
+The ControlNet has 1 double and 1 single block (``tiny``; the transformer has 1 and 2, so the
+single residuals are spread over two blocks) and embeds guidance, like the dev ControlNets that
+are also used with schnell. ``FluxControlNetModel`` zero-initialises its output projections and
+``controlnet_x_embedder`` (a fresh ControlNet changes nothing); the builder re-draws them so the
+residuals are not zero.
+
+The LoRA (rank 4, alpha 8, so scaling 2) targets the attention and MLP projections of the
+transformer's blocks; it is built the way diffusers' Flux LoRA training saves one: a PEFT
+``LoraConfig`` added to a transformer of the preset, ``lora_B`` (zero at init) drawn at random,
+``get_peft_model_state_dict``, then ``FluxPipeline.save_lora_weights`` with the adapter metadata.
+It fits dev and schnell (same block shapes). Its manifest is ``tiny-flux-style.t2i-lora.json``.
 
 Presets (same text encoders in both; each text encoder has hidden size 32):
 
@@ -40,8 +64,12 @@ from pathlib import Path
 from typing import Any
 
 FAMILY = "flux"
+CONTROLNET_FAMILY = "flux-controlnet"
+LORA_FAMILY = "flux-lora"
 MANIFEST = "t2i-model.json"
+LORA_MANIFEST_SUFFIX = ".t2i-lora.json"
 PRESETS = ("tiny", "bench")
+VARIANTS = ("dev", "schnell")
 
 # Characters the tiny tokenizers know; anything else becomes the unknown token.
 _PUNCTUATION = ".,!?'-:;()&/\"#+*%$@"
@@ -79,34 +107,72 @@ _TRANSFORMERS: dict[str, dict[str, Any]] = {
 
 _VAE_BLOCKS: dict[str, tuple[int, ...]] = {"tiny": (8, 16), "bench": (8, 16, 16, 16)}
 
+# ControlNet depth per preset: (double blocks, single blocks).
+_CONTROLNET_LAYERS: dict[str, tuple[int, int]] = {"tiny": (1, 1), "bench": (2, 4)}
+
+# Transformer modules the LoRA adapts: the blocks' attention projections and the single blocks'
+# MLP input (what Flux LoRA trainers commonly target).
+_LORA_TARGETS = [
+    "to_q",
+    "to_k",
+    "to_v",
+    "to_out.0",
+    "add_q_proj",
+    "add_k_proj",
+    "add_v_proj",
+    "to_add_out",
+    "proj_mlp",
+]
+_LORA_RANK, _LORA_ALPHA = 4, 8
+LORA_NAME = "tiny-flux-style"
+
 
 # -- manifest ------------------------------------------------------------------------------------
 
 
-def manifest_for(preset: str, seed: int) -> dict[str, Any]:
-    return {"preset": preset, "seed": int(seed), "family": FAMILY}
+def manifest_for(preset: str, seed: int, *, variant: str = "dev", family: str = FAMILY) -> dict[str, Any]:
+    data: dict[str, Any] = {"preset": preset, "seed": int(seed), "family": family}
+    if variant != "dev":
+        data["variant"] = variant
+    return data
 
 
-def write_manifest(out_dir: str | os.PathLike[str], preset: str, seed: int) -> Path:
-    """Mark ``out_dir`` as a complete build of ``preset``/``seed``; call after everything else."""
-    path = Path(out_dir) / MANIFEST
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(manifest_for(preset, seed), indent=2) + "\n")
+def _write_json(path: Path, data: dict[str, Any]) -> Path:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
     tmp.replace(path)
     return path
 
 
-def read_manifest(out_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """The manifest of a built folder, or None if there is none (or it is unreadable)."""
+def _read_json(path: Path) -> dict[str, Any] | None:
     try:
-        data = json.loads((Path(out_dir) / MANIFEST).read_text())
+        data = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
 
 
-def is_built(out_dir: str | os.PathLike[str], preset: str = "tiny", seed: int = 0) -> bool:
-    return read_manifest(out_dir) == manifest_for(preset, seed)
+def write_manifest(
+    out_dir: str | os.PathLike[str], preset: str, seed: int, *, variant: str = "dev", family: str = FAMILY
+) -> Path:
+    """Mark ``out_dir`` as a complete build of ``preset``/``seed``; call after everything else."""
+    return _write_json(Path(out_dir) / MANIFEST, manifest_for(preset, seed, variant=variant, family=family))
+
+
+def read_manifest(out_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The manifest of a built folder, or None if there is none (or it is unreadable)."""
+    return _read_json(Path(out_dir) / MANIFEST)
+
+
+def is_built(
+    out_dir: str | os.PathLike[str],
+    preset: str = "tiny",
+    seed: int = 0,
+    *,
+    variant: str = "dev",
+    family: str = FAMILY,
+) -> bool:
+    return read_manifest(out_dir) == manifest_for(preset, seed, variant=variant, family=family)
 
 
 # -- components ----------------------------------------------------------------------------------
@@ -131,14 +197,20 @@ def t5_tokenizer() -> Any:
     return T5TokenizerFast(vocab=vocab, extra_ids=0)
 
 
-def flux_pipeline(preset: str = "tiny", seed: int = 0) -> Any:
+def _check(preset: str, variant: str = "dev") -> None:
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; expected one of {PRESETS}")
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}; expected one of {VARIANTS}")
+
+
+def flux_pipeline(preset: str = "tiny", seed: int = 0, variant: str = "dev") -> Any:
     """A ``FluxPipeline`` of ``preset`` with weights drawn from ``torch.manual_seed(seed)``."""
     import torch
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
-    if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; expected one of {PRESETS}")
+    _check(preset, variant)
     torch.manual_seed(seed)
     tokenizer, tokenizer_2 = clip_tokenizer(), t5_tokenizer()
     text_encoder = CLIPTextModel(
@@ -168,7 +240,7 @@ def flux_pipeline(preset: str = "tiny", seed: int = 0) -> Any:
             eos_token_id=1,
         )
     )
-    transformer = FluxTransformer2DModel(**_TRANSFORMERS[preset])
+    transformer = FluxTransformer2DModel(**{**_TRANSFORMERS[preset], "guidance_embeds": variant == "dev"})
     blocks = _VAE_BLOCKS[preset]
     vae = AutoencoderKL(
         sample_size=32,
@@ -185,14 +257,24 @@ def flux_pipeline(preset: str = "tiny", seed: int = 0) -> Any:
         shift_factor=0.0609,  # Flux.1's VAE constants
         scaling_factor=1.5035,
     )
-    scheduler = FlowMatchEulerDiscreteScheduler(
-        shift=3.0,
-        use_dynamic_shifting=True,
-        base_image_seq_len=256,
-        max_image_seq_len=4096,
-        base_shift=0.5,
-        max_shift=1.15,
-    )
+    if variant == "schnell":  # FLUX.1-schnell's scheduler_config.json
+        scheduler = FlowMatchEulerDiscreteScheduler(
+            shift=1.0,
+            use_dynamic_shifting=False,
+            base_image_seq_len=256,
+            max_image_seq_len=4096,
+            base_shift=0.5,
+            max_shift=1.15,
+        )
+    else:
+        scheduler = FlowMatchEulerDiscreteScheduler(
+            shift=3.0,
+            use_dynamic_shifting=True,
+            base_image_seq_len=256,
+            max_image_seq_len=4096,
+            base_shift=0.5,
+            max_shift=1.15,
+        )
     return FluxPipeline(
         scheduler=scheduler,
         vae=vae,
@@ -204,24 +286,138 @@ def flux_pipeline(preset: str = "tiny", seed: int = 0) -> Any:
     )
 
 
-def build_flux(out_dir: str | os.PathLike[str], preset: str = "tiny", seed: int = 0) -> Path:
-    """Build and save a Flux pipeline folder at ``out_dir``; a no-op if it is already built."""
-    out = Path(out_dir)
-    if is_built(out, preset, seed):
+def _build_folder(out: Path, manifest: dict[str, Any], save: Any) -> Path:
+    """Build a folder at ``out`` with ``save(tmp)`` unless its manifest already says ``manifest``;
+    the build goes to a temporary sibling that is renamed into place, manifest last."""
+    if read_manifest(out) == manifest:
         return out
-    if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; expected one of {PRESETS}")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.building-", dir=out.parent))
     try:
-        flux_pipeline(preset, seed).save_pretrained(tmp)
-        write_manifest(tmp, preset, seed)  # last: the folder is complete
+        save(tmp)
+        _write_json(tmp / MANIFEST, manifest)  # last: the folder is complete
         tmp.chmod(0o755)  # mkdtemp made it private
         if out.exists():
-            if is_built(out, preset, seed):  # a concurrent build finished first
+            if read_manifest(out) == manifest:  # a concurrent build finished first
                 return out
             shutil.rmtree(out)
         tmp.rename(out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def build_flux(
+    out_dir: str | os.PathLike[str], preset: str = "tiny", seed: int = 0, variant: str = "dev"
+) -> Path:
+    """Build and save a Flux pipeline folder at ``out_dir``; a no-op if it is already built."""
+    _check(preset, variant)
+    return _build_folder(
+        Path(out_dir),
+        manifest_for(preset, seed, variant=variant),
+        lambda tmp: flux_pipeline(preset, seed, variant).save_pretrained(tmp),
+    )
+
+
+def flux_controlnet(preset: str = "tiny", seed: int = 0) -> Any:
+    """A ``FluxControlNetModel`` with the transformer dimensions of ``preset`` (VAE-latent input,
+    guidance embedding), weights drawn from ``seed``; its zero-initialised projections re-drawn."""
+    import torch
+    from diffusers import FluxControlNetModel
+
+    _check(preset)
+    num_layers, num_single_layers = _CONTROLNET_LAYERS[preset]
+    config = {**_TRANSFORMERS[preset], "num_layers": num_layers, "num_single_layers": num_single_layers}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        controlnet = FluxControlNetModel(**config)
+        for module in (*controlnet.controlnet_blocks, *controlnet.controlnet_single_blocks):
+            module.reset_parameters()
+        controlnet.controlnet_x_embedder.reset_parameters()
+    return controlnet
+
+
+def build_controlnet(out_dir: str | os.PathLike[str], preset: str = "tiny", seed: int = 0) -> Path:
+    """Build and save a ControlNet folder (``FluxControlNetModel.save_pretrained``: config and
+    weights at the folder's top) at ``out_dir``; a no-op if it is already built."""
+    _check(preset)
+    return _build_folder(
+        Path(out_dir),
+        manifest_for(preset, seed, family=CONTROLNET_FAMILY),
+        lambda tmp: flux_controlnet(preset, seed).save_pretrained(tmp),
+    )
+
+
+def flux_lora(preset: str = "tiny", seed: int = 0) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A random, non-zero LoRA of the transformer of ``preset``: (state dict, adapter metadata)."""
+    import torch
+    from diffusers import FluxTransformer2DModel
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    _check(preset)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        transformer = FluxTransformer2DModel(**_TRANSFORMERS[preset])
+        config = LoraConfig(
+            r=_LORA_RANK, lora_alpha=_LORA_ALPHA, init_lora_weights=True, target_modules=_LORA_TARGETS
+        )
+        transformer.add_adapter(config)  # lora_A: kaiming-uniform from the seeded RNG; lora_B: zeros
+        generator = torch.Generator().manual_seed(seed + 1)
+        with torch.no_grad():
+            for name, param in transformer.named_parameters():
+                if "lora_B" in name:
+                    param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
+        state_dict = get_peft_model_state_dict(transformer)
+    # Sets (target_modules) become sorted lists: save_lora_weights would list them in hash order.
+    metadata = {
+        k: sorted(v) if isinstance(v, set) else v
+        for k, v in transformer.peft_config["default"].to_dict().items()
+    }
+    return state_dict, metadata
+
+
+def lora_manifest_path(path: str | os.PathLike[str]) -> Path:
+    p = Path(path)
+    return p.with_name(p.name.removesuffix(".safetensors") + LORA_MANIFEST_SUFFIX)
+
+
+def build_lora(path: str | os.PathLike[str], preset: str = "tiny", seed: int = 0) -> Path:
+    """Write the LoRA safetensors file at ``path`` (``FluxPipeline.save_lora_weights``); a no-op if
+    it is there and its manifest (``<stem>.t2i-lora.json``, written last) matches."""
+    out = Path(path)
+    manifest = {**manifest_for(preset, seed, family=LORA_FAMILY), "rank": _LORA_RANK, "alpha": _LORA_ALPHA}
+    manifest_path = lora_manifest_path(out)
+    if out.is_file() and _read_json(manifest_path) == manifest:
+        return out
+    _check(preset)
+    from diffusers import FluxPipeline
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    manifest_path.unlink(missing_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.building-", dir=out.parent))
+    try:
+        state_dict, metadata = flux_lora(preset, seed)
+        FluxPipeline.save_lora_weights(
+            tmp,
+            transformer_lora_layers=state_dict,
+            weight_name=out.name,
+            transformer_lora_adapter_metadata=metadata,
+        )
+        (tmp / out.name).chmod(0o644)
+        (tmp / out.name).replace(out)
+        _write_json(manifest_path, manifest)  # last: the file is complete
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def build(out_root: str | os.PathLike[str], seed: int = 0) -> dict[str, Path]:
+    """Build the tiny Flux family under ``out_root`` (each piece only if missing or stale)."""
+    root = Path(out_root)
+    return {
+        "tiny-flux": build_flux(root / "tiny-flux", "tiny", seed),
+        "tiny-flux-schnell": build_flux(root / "tiny-flux-schnell", "tiny", seed, variant="schnell"),
+        "tiny-flux-controlnet": build_controlnet(root / "tiny-flux-controlnet", "tiny", seed),
+        LORA_NAME: build_lora(root / "loras" / f"{LORA_NAME}.safetensors", "tiny", seed),
+    }

@@ -2,8 +2,25 @@
 
 ``tiny-flux``: CLIP and T5 text encoders (two parallel nodes), latent preparation, the Flux
 transformer once per denoising step followed by the flow-match Euler step, then VAE decode. Its
-components are random-weight models built from configs (``python -m libs.models.build``), so it
-runs anywhere; the same composition serves a real Flux checkpoint by pointing ``model`` at it.
+components are random-weight models built from configs (``libs.models.tiny.build``), so it runs
+anywhere; the same composition serves a real Flux checkpoint by pointing ``model`` at it.
+
+The Flux family (:func:`flux_workflows`) varies that composition along three axes:
+
+* **checkpoint**: dev (``tiny-flux``, guidance-distilled) or schnell (``tiny-flux-schnell``: no
+  guidance embedding, no dynamic shifting, 4 steps; ``guidance_scale`` defaults to 0.0 and only
+  reaches a ControlNet that embeds guidance).
+* **ControlNet** (``-controlnet``): ``flux.control_encoder`` encodes the ``control_image`` parameter
+  once and hands its generator state to ``flux.prepare_latents`` (the pipeline's draw order); every
+  step runs ``flux.controlnet`` in parallel with ``flux.transformer``, which binds the residuals by
+  name as callback inputs (fetched inside its forward). Parameters ``control_image`` (required) and
+  ``control_scale`` (``controlnet_conditioning_scale``, default 1.0).
+* **LoRA** (``-lora``): parameters ``lora`` (a registered adapter, ``""`` = none) and ``lora_scale``,
+  bound by name to the transformer's optional inputs; one warm transformer serves any adapter.
+
+``tiny-flux-cfg-parallel`` is true CFG split for parallelism (paper Fig. 12-right): the prompt and
+``negative_prompt`` are encoded by their own encoder nodes, each step runs two transformer nodes
+(positive, negative; two executors can take them) and the light ``flux.true_cfg`` combine.
 
 This module imports no torch: composing only records names and references.
 """
@@ -13,24 +30,78 @@ from __future__ import annotations
 from libs.models.flux import (
     FlowMatchEulerStep,
     FluxClipEncoder,
+    FluxControlImageEncoder,
+    FluxControlNet,
     FluxPrepareLatents,
     FluxT5Encoder,
     FluxTransformer,
+    FluxTrueCfg,
     FluxVaeDecode,
 )
 from libs.workflow.compose import Value, Workflow
+from libs.workflow.modelfn import ModelFn
 from libs.workflow.spec import ParamSpec, WorkflowSpec
 
+# Every Flux ModelFn, for the catalog (entry points) and tests.
+MODELFNS: list[type[ModelFn]] = [
+    FluxClipEncoder,
+    FluxT5Encoder,
+    FluxControlImageEncoder,
+    FluxPrepareLatents,
+    FluxControlNet,
+    FluxTransformer,
+    FluxTrueCfg,
+    FlowMatchEulerStep,
+    FluxVaeDecode,
+]
 
-def flux_params(*, width: int, height: int, steps: int, max_sequence_length: int) -> dict[str, ParamSpec]:
+TINY_SIZES = ["128x128", "64x64", "256x256", "128x64", "64x128"]
+
+
+def flux_params(
+    *, width: int, height: int, steps: int, max_sequence_length: int, guidance_scale: float = 3.5
+) -> dict[str, ParamSpec]:
     return {
         "prompt": ParamSpec(type="str", required=True, max_length=4000, description="what to draw"),
         "seed": ParamSpec(type="int", default=0, minimum=0, description="seed of the initial noise"),
         "width": ParamSpec(type="int", default=width, minimum=16, maximum=2048),
         "height": ParamSpec(type="int", default=height, minimum=16, maximum=2048),
         "num_inference_steps": ParamSpec(type="int", default=steps, minimum=1, maximum=100),
-        "guidance_scale": ParamSpec(type="float", default=3.5, minimum=0.0, maximum=30.0),
+        "guidance_scale": ParamSpec(type="float", default=guidance_scale, minimum=0.0, maximum=30.0),
         "max_sequence_length": ParamSpec(type="int", default=max_sequence_length, minimum=1, maximum=512),
+    }
+
+
+def controlnet_params() -> dict[str, ParamSpec]:
+    return {
+        "control_image": ParamSpec(
+            type="image", required=True, description="ControlNet condition (e.g. an edge map), RGB"
+        ),
+        # FluxControlNetPipeline.__call__: controlnet_conditioning_scale=1.0
+        "control_scale": ParamSpec(
+            type="float", default=1.0, minimum=0.0, maximum=4.0, description="ControlNet conditioning scale"
+        ),
+    }
+
+
+def lora_params() -> dict[str, ParamSpec]:
+    return {
+        "lora": ParamSpec(
+            type="lora", default="", description="LoRA adapter of the transformer; empty: none"
+        ),
+        "lora_scale": ParamSpec(
+            type="float", default=1.0, minimum=-4.0, maximum=4.0, description="LoRA weight"
+        ),
+    }
+
+
+def true_cfg_params() -> dict[str, ParamSpec]:
+    return {
+        "negative_prompt": ParamSpec(type="str", default="", max_length=4000, description="what not to draw"),
+        # FluxPipeline applies true CFG when true_cfg_scale > 1 (and a negative prompt is given).
+        "true_cfg_scale": ParamSpec(
+            type="float", default=4.0, minimum=1.0, maximum=30.0, description="true CFG scale (> 1: on)"
+        ),
     }
 
 
@@ -42,7 +113,14 @@ def flux_workflow(
     steps: int = 4,
     max_sequence_length: int = 64,
     description: str = "",
+    guidance_scale: float = 3.5,
+    controlnet: str | None = None,
+    lora: bool = False,
+    true_cfg: bool = False,
 ) -> WorkflowSpec:
+    """A Flux text-to-image workflow on the checkpoint folder ``model``; ``controlnet`` names a
+    ``FluxControlNetModel`` folder to condition on a control image; ``lora`` adds the LoRA
+    parameters; ``true_cfg`` runs the negative prompt as a parallel transformer node per step."""
     width, height = (int(x) for x in sizes[0].split("x"))
     clip = FluxClipEncoder(model, id="clip")
     t5 = FluxT5Encoder(model, id="t5")
@@ -50,15 +128,53 @@ def flux_workflow(
     transformer = FluxTransformer(model, id="transformer")
     euler = FlowMatchEulerStep(model, id="euler")
     vae = FluxVaeDecode(model, id="vae")
-    params = flux_params(width=width, height=height, steps=steps, max_sequence_length=max_sequence_length)
+    params = flux_params(
+        width=width,
+        height=height,
+        steps=steps,
+        max_sequence_length=max_sequence_length,
+        guidance_scale=guidance_scale,
+    )
+    if true_cfg:
+        params.update(true_cfg_params())
+    if controlnet:
+        params.update(controlnet_params())
+    if lora:
+        params.update(lora_params())
     with Workflow(name, params=params, sizes=sizes, description=description) as wf:
-        clip()  # prompt: bound by name to the parameter
-        t5()  # prompt, max_sequence_length
-        init = prepare()  # seed, height, width, num_inference_steps
+        pooled = clip()  # prompt: bound by name to the parameter
+        text = t5()  # prompt, max_sequence_length
+        if true_cfg:
+            negative = wf.param("negative_prompt")
+            neg_pooled = FluxClipEncoder(model, id="clip_neg")(prompt=negative)
+            neg_text = FluxT5Encoder(model, id="t5_neg")(prompt=negative)
+        if controlnet:
+            FluxControlImageEncoder(model, id="control")()  # control_image, height, width, seed
+        # seed, height, width, num_inference_steps; with a ControlNet also the encoder's
+        # generator_state, bound by name.
+        init = prepare()
+        controlnet_fn = FluxControlNet(controlnet, id="controlnet") if controlnet else None
 
         def denoise(step: Value, latents: Value) -> Value:
-            # Every other input (embeddings, ids, timesteps, guidance) is bound by name.
-            noise_pred = transformer(latents=latents)
+            if controlnet_fn is not None:
+                controlnet_fn(latents=latents)  # its residuals are bound by name below
+            if not true_cfg:
+                # Every other input (embeddings, ids, timesteps, guidance, residuals, LoRA) by name.
+                noise_pred = transformer(latents=latents)
+            else:
+                positive = transformer(
+                    latents=latents,
+                    prompt_embeds=text.prompt_embeds,
+                    pooled_prompt_embeds=pooled,
+                    text_ids=text.text_ids,
+                )
+                negative_pred = FluxTransformer(model, id="transformer_neg")(
+                    latents=latents,
+                    prompt_embeds=neg_text.prompt_embeds,
+                    pooled_prompt_embeds=neg_pooled,
+                    text_ids=neg_text.text_ids,
+                )
+                noise_pred = FluxTrueCfg(id="cfg")(noise_pred=positive, neg_noise_pred=negative_pred)
             return euler(noise_pred=noise_pred, latents=latents)
 
         latents = wf.loop("num_inference_steps", denoise, id="denoise", latents=init.latents)
@@ -70,7 +186,7 @@ def tiny_flux(model: str = "tiny-flux") -> WorkflowSpec:
     return flux_workflow(
         "tiny-flux",
         model,
-        sizes=["128x128", "64x64", "256x256", "128x64", "64x128"],
+        sizes=TINY_SIZES,
         description="Flux-style workflow with random-weight tiny components (CLIP+T5, DiT, VAE)",
     )
 
@@ -84,4 +200,48 @@ def bench_flux(model: str = "bench-flux") -> WorkflowSpec:
     )
 
 
+def flux_workflows(
+    dev: str = "tiny-flux", schnell: str = "tiny-flux-schnell", controlnet: str = "tiny-flux-controlnet"
+) -> list[WorkflowSpec]:
+    """The tiny Flux family: dev and schnell, each plain, with ControlNet, LoRA or both, and dev
+    with parallel true CFG. Model names are folders under the executors' model root
+    (:func:`libs.models.tiny.build` builds them)."""
+    specs = [tiny_flux(dev)]
+    for variant, model, guidance in (("", dev, 3.5), ("-schnell", schnell, 0.0)):
+        kind = "schnell (no guidance embedding, 4 steps)" if variant else "dev (guidance-distilled)"
+        for suffix, cn, lora in (
+            ("", False, False),
+            ("-controlnet", True, False),
+            ("-lora", False, True),
+            ("-controlnet-lora", True, True),
+        ):
+            if not variant and not suffix:
+                continue  # tiny-flux, above
+            extras = " + ".join(x for x, on in (("ControlNet", cn), ("LoRA", lora)) if on)
+            specs.append(
+                flux_workflow(
+                    f"tiny-flux{variant}{suffix}",
+                    model,
+                    sizes=TINY_SIZES,
+                    guidance_scale=guidance,
+                    controlnet=controlnet if cn else None,
+                    lora=lora,
+                    description=f"tiny Flux {kind}" + (f" with {extras}" if extras else ""),
+                )
+            )
+    specs.append(
+        flux_workflow(
+            "tiny-flux-cfg-parallel",
+            dev,
+            sizes=TINY_SIZES,
+            true_cfg=True,
+            description="tiny Flux dev with true CFG: positive and negative transformer nodes per step",
+        )
+    )
+    return specs
+
+
 BUILTIN = {"tiny-flux": tiny_flux, "bench-flux": bench_flux}
+
+
+workflows = flux_workflows  # the family interface libs.models.catalog reads

@@ -35,7 +35,14 @@ EXPECTED_IO = {
     "flux.clip_encoder": ({"prompt": False}, ["pooled_prompt_embeds"]),
     "flux.t5_encoder": ({"prompt": False, "max_sequence_length": False}, ["prompt_embeds", "text_ids"]),
     "flux.prepare_latents": (
-        {"seed": False, "height": False, "width": False, "num_inference_steps": False},
+        # generator_state: optional (ControlNet workflows; see test_flux_family.py)
+        {
+            "seed": False,
+            "height": False,
+            "width": False,
+            "num_inference_steps": False,
+            "generator_state": False,
+        },
         ["latents", "latent_image_ids", "timesteps"],
     ),
     "flux.transformer": (
@@ -48,6 +55,11 @@ EXPECTED_IO = {
             "pooled_prompt_embeds": False,
             "text_ids": False,
             "latent_image_ids": False,
+            # optional: ControlNet residuals (callbacks) and LoRA (see test_flux_family.py)
+            "controlnet_block_samples": True,
+            "controlnet_single_block_samples": True,
+            "lora": False,
+            "lora_scale": False,
         },
         ["noise_pred"],
     ),
