@@ -38,8 +38,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from libs.models.build import main as build_models  # imports torch: after the brokers check
 
-    print("building the tiny-flux models (random weights) if missing ...")
-    build_models(["--out", args.models, "--preset", "tiny"])
+    print("building the catalog's models (random weights; SD1.5, SD3, Flux, Sana) if missing ...")
+    build_models(["--out", args.models, "--all"])
 
     stack = Stack(
         namespace=os.environ.get("T2I_NAMESPACE", "t2i"),
@@ -56,15 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         stack.start()
-        import json
-
-        from libs.models.workflows import tiny_flux
-        from libs.workflow.spec import encode_spec
-
-        status, body = stack.http("POST", "/v1/workflows", json.loads(encode_spec(tiny_flux())))
-        if status not in (200, 201):
-            raise StackError(f"registering tiny-flux failed: {status} {body}")
-        print(f"registered workflow tiny-flux v{body['workflow']['version']}")
+        register_catalog(stack)
         t0 = time.monotonic()
         status, body = stack.http(
             "POST",
@@ -101,6 +93,27 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         stack.stop()
         brokers.stop(started)
+
+
+def register_catalog(stack: Stack) -> None:
+    """Register every catalog workflow and LoRA adapter through the HTTP API, as a user would."""
+    import json
+
+    from libs.models import catalog
+    from libs.workflow.spec import encode_spec
+
+    specs = catalog.workflows()
+    for spec in specs:
+        status, body = stack.http("POST", "/v1/workflows", json.loads(encode_spec(spec)))
+        if status not in (200, 201):
+            raise StackError(f"registering {spec.name} failed: {status} {body}")
+    for name, path in catalog.LORAS.items():
+        status, body = stack.http("POST", "/v1/loras", {"name": name, "path": path})
+        if status not in (200, 201):
+            raise StackError(f"registering LoRA {name} failed: {status} {body}")
+    print(
+        f"registered {len(specs)} workflows and {len(catalog.LORAS)} LoRA adapters (GET /v1/workflows lists them)"
+    )
 
 
 def _interrupt(signum: int, frame: object) -> None:

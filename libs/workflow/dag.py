@@ -116,11 +116,16 @@ def unroll(
                 for src in inputs.values():
                     if isinstance(src, TensorSource):
                         read.setdefault(src.node, set()).add(src.output)
-                cbs = (frozenset(callbacks.get(op.fn, frozenset())) | frozenset(op.callbacks)) & frozenset(inputs)
-                deps = frozenset(s.node for n, s in inputs.items() if isinstance(s, TensorSource) and n not in cbs)
-                cb_deps = frozenset(
-                    s.node for n, s in inputs.items() if isinstance(s, TensorSource) and n in cbs
-                ) - deps
+                cbs = (frozenset(callbacks.get(op.fn, frozenset())) | frozenset(op.callbacks)) & frozenset(
+                    inputs
+                )
+                deps = frozenset(
+                    s.node for n, s in inputs.items() if isinstance(s, TensorSource) and n not in cbs
+                )
+                cb_deps = (
+                    frozenset(s.node for n, s in inputs.items() if isinstance(s, TensorSource) and n in cbs)
+                    - deps
+                )
                 outs = tuple(outputs_of[op.fn]) if outputs_of and op.fn in outputs_of else ()
                 nodes.append(
                     DagNode(

@@ -61,7 +61,9 @@ class LocalRunner:
                     raise ParamError(name, f"unknown LoRA {resolved[name]!r}")
                 resolved[name] = resolve_model_path(loras[resolved[name]], self.model_root)  # type: ignore[index]
         callbacks = {fn: frozenset(n for n, cb in s.inputs.items() if cb) for fn, s in sigs.items()}
-        dag = unroll(spec, resolved, callbacks=callbacks, outputs_of={fn: tuple(s.outputs) for fn, s in sigs.items()})
+        dag = unroll(
+            spec, resolved, callbacks=callbacks, outputs_of={fn: tuple(s.outputs) for fn, s in sigs.items()}
+        )
         values: dict[TensorSource, Any] = {}
         for node in dag.nodes.values():
             inst = self._instances.get(node.fn)

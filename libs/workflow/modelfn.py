@@ -137,7 +137,9 @@ class ModelFn:
         inst = cls.__new__(cls)
         inst._io = _IO()
         inst.setup_io()
-        return Signature(inputs=dict(inst._io.inputs), outputs=list(inst._io.outputs), optional=list(inst._io.optional))
+        return Signature(
+            inputs=dict(inst._io.inputs), outputs=list(inst._io.outputs), optional=list(inst._io.optional)
+        )
 
     @property
     def inputs(self) -> dict[str, bool]:

@@ -101,7 +101,9 @@ class _Validator:
             if p.default is None and not p.required and p.type != "image":
                 self.problem(path, "needs a default or `required: true`")
             if p.type == "image" and p.default is not None:
-                self.problem(f"{path}.default", "an image parameter has no default (leave it out, or make it required)")
+                self.problem(
+                    f"{path}.default", "an image parameter has no default (leave it out, or make it required)"
+                )
             if p.default is not None and p.required:
                 self.problem(path, "a required parameter has no default")
             if (p.minimum is not None or p.maximum is not None) and p.type not in ("int", "float"):

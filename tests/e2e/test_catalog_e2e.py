@@ -1,0 +1,256 @@
+"""The catalog through the whole platform: registered over HTTP, ControlNet and LoRA requests served
+by two executors (the ControlNet in parallel with the base model, its outputs forwarded and fetched
+mid-forward), images equal to the monolithic diffusers pipelines; bad requests refused meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import uuid
+
+import numpy as np
+import pytest
+import redis
+from PIL import Image
+
+from libs.launcher.stack import Stack
+from libs.models import catalog
+from libs.protocol.keys import Keys
+from libs.workflow.spec import encode_spec
+from tests.conftest import cleanup_namespace, free_port
+
+pytestmark = pytest.mark.e2e
+KEY = "sk-cat"
+
+
+@pytest.fixture(scope="session")
+def built(tmp_path_factory):
+    root = tmp_path_factory.mktemp("catalog-models")
+    return root, catalog.build(root)
+
+
+@pytest.fixture(scope="session")
+def catalog_models(built):
+    return built[0]
+
+
+@pytest.fixture(scope="module")
+def stack(broker_urls, catalog_models, tmp_path_factory):
+    nats_url, redis_url = broker_urls
+    s = Stack(
+        namespace="t" + uuid.uuid4().hex[:10],
+        log_dir=tmp_path_factory.mktemp("logs"),
+        model_root=catalog_models,
+        gateway_port=free_port(),
+        executors=2,
+        api_keys=f"{KEY}=cat:admin",
+        nats_url=nats_url,
+        redis_url=redis_url,
+    )
+    s.start()
+    try:
+        for spec in catalog.workflows():
+            status, body = s.http("POST", "/v1/workflows", json.loads(encode_spec(spec)), key=KEY)
+            assert status == 201, (spec.name, body)
+        for name, path in catalog.LORAS.items():
+            assert s.http("POST", "/v1/loras", {"name": name, "path": path}, key=KEY)[0] == 201
+        yield s
+    finally:
+        s.stop()
+        asyncio.run(cleanup_namespace(nats_url, redis_url, s.namespace))
+
+
+def png_b64(img: Image.Image) -> str:
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def control_picture(w: int, h: int) -> Image.Image:
+    rng = np.random.default_rng(0)
+    return Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+
+
+def pixels(b64: str) -> np.ndarray:
+    return np.array(Image.open(io.BytesIO(base64.b64decode(b64))))
+
+
+def state(stack: Stack, gen_id: str) -> dict[str, str]:
+    r = redis.Redis.from_url(stack.redis_url)
+    try:
+        raw = r.hgetall(Keys(stack.namespace).request(f"{gen_id}-0"))
+        return {k.decode(): v.decode() for k, v in raw.items()}
+    finally:
+        r.close()
+
+
+def test_every_catalog_workflow_is_registered_and_listed(stack):
+    status, body = stack.http("GET", "/v1/workflows", key=KEY)
+    names = {w["name"] for w in body["data"]}
+    assert status == 200 and names == {spec.name for spec in catalog.workflows()}
+    assert len(names) >= 20
+    for family in ("tiny-sd15", "tiny-sd3", "tiny-flux", "tiny-flux-schnell", "tiny-sana"):
+        assert {family, f"{family}-controlnet", f"{family}-lora", f"{family}-controlnet-lora"} <= names
+
+
+def test_an_sd15_controlnet_lora_request_equals_the_pipeline_and_its_controlnet_ran_in_parallel(
+    stack, catalog_models
+):
+    import torch
+
+    from tests.unit.test_sd_family import pipeline_image
+
+    torch.set_num_threads(1)
+    control = control_picture(64, 64)
+    params = {
+        "prompt": "a red boat",
+        "negative_prompt": "",
+        "seed": 4,
+        "height": 64,
+        "width": 64,
+        "num_inference_steps": 6,
+        "guidance_scale": 7.5,
+        "lora_scale": 0.8,
+    }
+    body = {
+        "model": "tiny-sd15-controlnet-lora",
+        "prompt": params["prompt"],
+        "seed": 4,
+        "size": "64x64",
+        "num_inference_steps": 6,
+        "params": {"control_image": png_b64(control), "lora": "tiny-sd15-style", "lora_scale": 0.8},
+    }
+    status, resp = stack.http("POST", "/v1/images/generations", body, key=KEY)
+    assert status == 200, (resp, stack.tail("scheduler"))
+    want = pipeline_image(catalog_models, params, control_image=control, lora="style")
+    assert np.array_equal(pixels(resp["data"][0]["b64_json"]), want)
+    st = state(stack, resp["id"])
+    assert int(st["callbacks_forwarded"]) >= 1, st  # a UNet started before its ControlNet finished
+    assert "," in st["executors"]
+
+
+def test_warm_executors_switch_loras_between_requests(stack, catalog_models):
+    import torch
+
+    from tests.unit.test_sd_family import pipeline_image
+
+    torch.set_num_threads(1)
+    base = {
+        "prompt": "a hill",
+        "negative_prompt": "",
+        "seed": 9,
+        "height": 64,
+        "width": 64,
+        "num_inference_steps": 3,
+        "guidance_scale": 7.5,
+    }
+    for lora, scale in (("tiny-sd15-style", 1.0), ("", 1.0), ("tiny-sd15-style", 0.5)):
+        body = {
+            "model": "tiny-sd15-lora",
+            "prompt": "a hill",
+            "seed": 9,
+            "size": "64x64",
+            "num_inference_steps": 3,
+            "params": {"lora": lora, "lora_scale": scale},
+        }
+        status, resp = stack.http("POST", "/v1/images/generations", body, key=KEY)
+        assert status == 200, resp
+        want = pipeline_image(catalog_models, {**base, "lora_scale": scale}, lora="style" if lora else None)
+        assert np.array_equal(pixels(resp["data"][0]["b64_json"]), want), (lora, scale)
+
+
+def test_bad_adapters_and_specs_are_refused_and_the_platform_keeps_serving(stack):
+    control = png_b64(control_picture(64, 64))
+    bad_requests = [
+        (
+            {"model": "tiny-sd15-controlnet", "prompt": "x", "params": {"control_image": "not an image"}},
+            "params.control_image",
+        ),
+        ({"model": "tiny-sd15-lora", "prompt": "x", "params": {"lora": "no-such-lora"}}, "params.lora"),
+        ({"model": "tiny-sd15-controlnet", "prompt": "x"}, "control_image"),
+    ]
+    for body, param in bad_requests:
+        status, resp = stack.http("POST", "/v1/images/generations", body, key=KEY)
+        assert status == 422 and resp["error"]["param"] == param, resp
+    spec = json.loads(encode_spec(catalog.workflows()[0]))
+    spec["name"] = "broken"
+    spec["body"][0]["fn"] = "no.such_fn"
+    status, resp = stack.http("POST", "/v1/workflows", spec, key=KEY)
+    assert status == 422 and resp["error"]["param"] == "body[0].fn"
+    body = {
+        "model": "tiny-sd15-controlnet",
+        "prompt": "fine",
+        "size": "64x64",
+        "num_inference_steps": 2,
+        "params": {"control_image": control},
+    }
+    status, resp = stack.http("POST", "/v1/images/generations", body, key=KEY)
+    assert status == 200, resp
+    assert all(p.poll() is None for p in stack.procs.values())
+
+
+def flux_params(**more):
+    params = {
+        "prompt": "a lighthouse",
+        "seed": 11,
+        "width": 128,
+        "height": 64,
+        "num_inference_steps": 3,
+        "guidance_scale": 3.5,
+        "max_sequence_length": 32,
+    }
+    params.update(more)
+    return params
+
+
+def test_a_flux_controlnet_lora_request_equals_the_pipeline(stack, built):
+    import torch
+
+    from tests.unit.test_flux_family import Pipes
+
+    torch.set_num_threads(1)
+    control = control_picture(72, 80)
+    body = {
+        "model": "tiny-flux-controlnet-lora",
+        "prompt": "a lighthouse",
+        "seed": 11,
+        "size": "128x64",
+        "num_inference_steps": 3,
+        "params": {
+            "max_sequence_length": 32,
+            "control_image": png_b64(control),
+            "control_scale": 0.7,
+            "lora": "tiny-flux-style",
+            "lora_scale": 0.8,
+        },
+    }
+    status, resp = stack.http("POST", "/v1/images/generations", body, key=KEY)
+    assert status == 200, (resp, stack.tail("scheduler"))
+    want = Pipes(built[1]).image(
+        "tiny-flux", flux_params(control_scale=0.7), control_image=control, lora_scale=0.8
+    )
+    assert np.array_equal(pixels(resp["data"][0]["b64_json"]), want.image)
+
+
+def test_cfg_parallel_runs_both_passes_of_a_step_on_two_executors_and_equals_true_cfg(stack, built):
+    import torch
+
+    from tests.unit.test_flux_family import Pipes
+
+    torch.set_num_threads(1)
+    body = {
+        "model": "tiny-flux-cfg-parallel",
+        "prompt": "a lighthouse",
+        "seed": 11,
+        "size": "128x64",
+        "num_inference_steps": 3,
+        "params": {"max_sequence_length": 32, "negative_prompt": "blurry", "true_cfg_scale": 2.5},
+    }
+    status, resp = stack.http("POST", "/v1/images/generations", body, key=KEY)
+    assert status == 200, resp
+    want = Pipes(built[1]).image("tiny-flux", flux_params(), negative_prompt="blurry", true_cfg_scale=2.5)
+    assert np.array_equal(pixels(resp["data"][0]["b64_json"]), want.image)
+    assert len(state(stack, resp["id"])["executors"].split(",")) == 2
