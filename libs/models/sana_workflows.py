@@ -23,19 +23,30 @@ This module imports no torch: composing only records names and references.
 from __future__ import annotations
 
 from libs.models.sana import (
-    MODELFNS,
-    SanaControlEncode,
-    SanaControlNet,
     SanaPrepareLatents,
     SanaSchedulerStep,
     SanaTextEncoder,
     SanaTransformer,
     SanaVaeDecode,
 )
+from libs.models.sana_controlnet import SanaControlEncode, SanaControlNet
 from libs.workflow.compose import Value, Workflow
+from libs.workflow.modelfn import ModelFn
 from libs.workflow.spec import ParamSpec, WorkflowSpec
 
 __all__ = ["MODELFNS", "sana_params", "sana_workflow", "workflows"]
+
+# Every Sana ModelFn (libs.models.sana and libs.models.sana_controlnet), for the catalog (entry
+# points) and tests.
+MODELFNS: list[type[ModelFn]] = [
+    SanaTextEncoder,
+    SanaPrepareLatents,
+    SanaControlEncode,
+    SanaControlNet,
+    SanaTransformer,
+    SanaSchedulerStep,
+    SanaVaeDecode,
+]
 
 TINY_SIZES = ["512x512", "672x384", "384x672", "576x448"]
 

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 from libs.models.sd3 import (
     SD3ClipEncoder,
-    SD3ControlImage,
-    SD3ControlNet,
     SD3FlowMatchStep,
     SD3JoinPromptEmbeds,
     SD3PrepareLatents,
@@ -30,6 +28,7 @@ from libs.models.sd3 import (
     SD3Transformer,
     SD3VaeDecode,
 )
+from libs.models.sd3_controlnet import SD3ControlImage, SD3ControlNet
 from libs.workflow.compose import Value, Workflow
 from libs.workflow.modelfn import ModelFn
 from libs.workflow.spec import ParamSpec, WorkflowSpec

@@ -30,19 +30,19 @@ from __future__ import annotations
 from libs.models.flux import (
     FlowMatchEulerStep,
     FluxClipEncoder,
-    FluxControlImageEncoder,
-    FluxControlNet,
     FluxPrepareLatents,
     FluxT5Encoder,
     FluxTransformer,
     FluxTrueCfg,
     FluxVaeDecode,
 )
+from libs.models.flux_controlnet import FluxControlImageEncoder, FluxControlNet
 from libs.workflow.compose import Value, Workflow
 from libs.workflow.modelfn import ModelFn
 from libs.workflow.spec import ParamSpec, WorkflowSpec
 
-# Every Flux ModelFn, for the catalog (entry points) and tests.
+# Every Flux ModelFn (libs.models.flux and libs.models.flux_controlnet), for the catalog (entry
+# points) and tests.
 MODELFNS: list[type[ModelFn]] = [
     FluxClipEncoder,
     FluxT5Encoder,

@@ -17,7 +17,7 @@ import pytest
 import torch
 from PIL import Image
 
-from libs.models import flux
+from libs.models import flux, flux_controlnet
 from libs.models.tiny import LORA_NAME, build, lora_manifest_path, read_manifest
 from libs.models.workflows import MODELFNS, flux_workflows, tiny_flux
 from libs.workflow.local import LocalRunner
@@ -477,7 +477,7 @@ def test_the_generator_state_continues_the_controlnet_pipelines_draw_order_after
     models: dict[str, Path], control_image: Image.Image
 ) -> None:
     model = str(models["tiny-flux"])
-    encoder, prepare = flux.FluxControlImageEncoder(), flux.FluxPrepareLatents()
+    encoder, prepare = flux_controlnet.FluxControlImageEncoder(), flux.FluxPrepareLatents()
     enc_components, prep_components = encoder.load_model(model), prepare.load_model(model)
     encoded = encoder.execute(enc_components, control_image=control_image, height=64, width=96, seed=3)
     state = encoded["generator_state"]
@@ -546,8 +546,10 @@ def test_the_entry_points_name_every_family_class_by_its_fn_name() -> None:
     missing = [cls.fn_name for cls in MODELFNS if cls.fn_name not in eps]
     if missing:
         pytest.skip(f"entry points not registered (yet) for {missing}")
+    controlnet_fns = {"flux.control_encoder", "flux.controlnet"}  # in libs.models.flux_controlnet
     for cls in MODELFNS:
-        assert eps[cls.fn_name] == f"libs.models.flux:{cls.__name__}"
+        module = "libs.models.flux_controlnet" if cls.fn_name in controlnet_fns else "libs.models.flux"
+        assert eps[cls.fn_name] == f"{module}:{cls.__name__}"
 
 
 def test_build_is_idempotent_writes_manifests_and_a_non_zero_lora(

@@ -215,7 +215,7 @@ def test_signatures_are_read_in_a_process_that_cannot_import_torch() -> None:
         "import json, sys\n"
         "for name in ('torch', 'diffusers', 'transformers', 'numpy'):\n"
         "    sys.modules[name] = None  # any import of them now raises ImportError\n"
-        "from libs.models import flux\n"
+        "from libs.models import flux, flux_controlnet  # the ControlNet half must not import torch either\n"
         "classes = [flux.FluxClipEncoder, flux.FluxT5Encoder, flux.FluxPrepareLatents,\n"
         "           flux.FluxTransformer, flux.FlowMatchEulerStep, flux.FluxVaeDecode]\n"
         "print(json.dumps({c.fn_name: [c.signature().inputs, c.signature().outputs] for c in classes}))\n"

@@ -16,7 +16,7 @@ import pytest
 import torch
 from PIL import Image
 
-from libs.models import sana, sana_workflows
+from libs.models import sana, sana_controlnet, sana_workflows
 from libs.models.tiny_sana import MANIFEST, build, gemma_tokenizer, is_built
 from libs.workflow.local import LocalRunner
 from libs.workflow.modelfn import Deferred
@@ -365,7 +365,7 @@ def test_a_controlnet_saved_on_its_own_loads_like_the_one_in_the_pipeline_folder
     paths: dict[str, Path], pipes: dict[str, Any], tmp_path: Path
 ) -> None:
     pipes["tiny-sana-controlnet"].controlnet.save_pretrained(tmp_path / "controlnet")
-    node = sana.SanaControlNet()
+    node = sana_controlnet.SanaControlNet()
     alone = node.load_model(str(tmp_path / "controlnet"))["controlnet"].state_dict()
     in_folder = node.load_model(str(paths["tiny-sana-controlnet"]))["controlnet"].state_dict()
 
@@ -487,5 +487,7 @@ def test_the_entry_points_name_each_class_by_its_fn_name() -> None:
     if not any(name.startswith("sana.") for name in eps):
         pytest.skip("the sana ModelFns are not registered as entry points in this installation")
 
+    controlnet_fns = {"sana.control_encode", "sana.controlnet"}  # in libs.models.sana_controlnet
     for cls in sana_workflows.MODELFNS:
-        assert eps[cls.fn_name] == f"libs.models.sana:{cls.__name__}"
+        module = "libs.models.sana_controlnet" if cls.fn_name in controlnet_fns else "libs.models.sana"
+        assert eps[cls.fn_name] == f"{module}:{cls.__name__}"

@@ -5,7 +5,7 @@ loaded from the same folders, called with the same prompt, seed, size and steps,
 adapter applied the pipeline's own way (``load_lora_weights`` + ``set_adapters``). The ControlNet
 pipeline samples the control image's VAE latents from the *global* RNG; ``sd3.control_image`` draws them
 from a private generator seeded with the request's seed, so references seed the global RNG with
-``torch.manual_seed(seed)`` right before the call (see ``libs/models/sd3.py``).
+``torch.manual_seed(seed)`` right before the call (see ``libs/models/sd3_controlnet.py``).
 """
 
 from __future__ import annotations
@@ -471,8 +471,10 @@ def test_the_entry_points_name_each_class_by_its_fn_name() -> None:
     if "sd3.transformer" not in eps:
         pytest.skip("the sd3 entry points are not registered in this installation")
 
+    controlnet_fns = {"sd3.control_image", "sd3.controlnet"}  # in libs.models.sd3_controlnet
     for cls in MODELFNS:
-        assert eps[cls.fn_name] == f"libs.models.sd3:{cls.__name__}"
+        module = "libs.models.sd3_controlnet" if cls.fn_name in controlnet_fns else "libs.models.sd3"
+        assert eps[cls.fn_name] == f"{module}:{cls.__name__}"
 
 
 def test_build_is_idempotent_and_leaves_complete_artifacts(root: Path, paths: dict[str, Path]) -> None:
