@@ -22,6 +22,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js.object_store import ObjectStore
 
+from libs.common.retry import retry
 from libs.protocol.messages import (
     Ack,
     CallbackReady,
@@ -232,7 +233,10 @@ class ExecutorService:
         for inp in d.inputs.values():
             if isinstance(inp, ImageInput) and inp.name not in blobs:
                 try:
-                    blobs[inp.name] = (await self.images.get(inp.name)).data
+                    name = inp.name
+                    blobs[name] = (
+                        await retry(lambda name=name: self.images.get(name), f"reading {name}")
+                    ).data
                 except ObjectNotFoundError:
                     pass  # the runner fails the node, naming the missing image
         return blobs
@@ -247,7 +251,7 @@ class ExecutorService:
         for name, png in outcome.pngs.items():
             t0 = time.perf_counter()
             obj = by_name[name].sink
-            await self.images.put(obj, png.data)
+            await retry(lambda obj=obj, data=png.data: self.images.put(obj, data), f"uploading {obj}")
             sinks[name] = ImageRef(self.images._name, obj, len(png.data), png.width, png.height)  # noqa: SLF001
             log.debug("uploaded %s (%d bytes) in %.3fs", obj, len(png.data), time.perf_counter() - t0)
         return sinks

@@ -28,9 +28,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import msgspec
 from aiohttp import web
-from redis.asyncio import Redis
 
 from libs.common.nats_conn import connect
+from libs.common.redis_conn import connect_redis
 from libs.common.registry_client import RegistryUnavailable, WorkflowNotFound
 from libs.common.runner import close_quietly
 from libs.common.settings import CommonSettings
@@ -318,7 +318,7 @@ async def metrics(request: web.Request) -> web.Response:
 async def _bridge_ctx(app: web.Application) -> AsyncIterator[None]:
     common = app[COMMON]
     nc = await connect(common.nats_url, "gateway")
-    redis = Redis.from_url(common.redis_url)
+    redis = connect_redis(common.redis_url)
     bridge = Bridge(nc, redis, Subjects(common.namespace), Keys(common.namespace))
     await bridge.start()
     app[BRIDGE] = bridge

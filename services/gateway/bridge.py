@@ -22,6 +22,7 @@ from redis.asyncio import Redis
 
 from libs.common.jetstream import ensure_images_bucket, ensure_intake_stream
 from libs.common.registry_client import RegistryClient
+from libs.common.retry import retry
 from libs.protocol.keys import Keys
 from libs.protocol.messages import ImageRef, ImageRequest, RequestResult, encode, result_decoder
 from libs.protocol.subjects import Subjects
@@ -90,7 +91,11 @@ class Bridge:
             },
         )
         await self.redis.expire(self.keys.request(req.request_id), 86400)
-        await self.js.publish(self.subjects.intake, encode(req), headers={"Nats-Msg-Id": req.request_id})
+        payload = encode(req)
+        await retry(
+            lambda: self.js.publish(self.subjects.intake, payload, headers={"Nats-Msg-Id": req.request_id}),
+            f"publishing {req.request_id}",
+        )
 
     async def wait(
         self, request_id: str, fut: asyncio.Future[RequestResult], wait_s: float
@@ -113,8 +118,9 @@ class Bridge:
 
     async def fetch_image(self, ref: ImageRef, delete: bool) -> bytes | None:
         assert self.images is not None
+        images = self.images
         try:
-            res = await self.images.get(ref.name)
+            res = await retry(lambda: images.get(ref.name), f"reading {ref.name}")
         except ObjectNotFoundError:
             return None
         if delete:
@@ -144,8 +150,9 @@ class Bridge:
         return out
 
     async def put_image(self, name: str, data: bytes) -> None:
-        assert self.images is not None
-        await self.images.put(name, data)
+        images = self.images
+        assert images is not None
+        await retry(lambda: images.put(name, data), f"storing {name}")
 
     async def request_tenant(self, request_id: str) -> str | None:
         t = await self.redis.hget(self.keys.request(request_id), "tenant")

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import asyncio
 
-from redis.asyncio import Redis
-
 from libs.common.config import load_config
 from libs.common.logs import setup_logging
 from libs.common.nats_conn import connect
+from libs.common.redis_conn import connect_redis
 from libs.common.runner import close_quietly, run_service
 from libs.common.settings import common_settings
 from libs.protocol.keys import Keys
@@ -24,7 +23,7 @@ async def main() -> None:
     load_config(RegistryConfig, "T2I_REGISTRY_")
     log = setup_logging("registry", common.log_level)
     nc = await connect(common.nats_url, "registry")
-    redis = Redis.from_url(common.redis_url)
+    redis = connect_redis(common.redis_url)
     service = RegistryService(
         nc, WorkflowStore(redis, Keys(common.namespace)), catalog.signatures(), Subjects(common.namespace)
     )

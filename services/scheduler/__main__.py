@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import asyncio
 
-from redis.asyncio import Redis
-
 from libs.common.config import load_config
 from libs.common.logs import setup_logging
 from libs.common.nats_conn import connect
+from libs.common.redis_conn import connect_redis
 from libs.common.runner import close_quietly, run_service
 from libs.common.settings import common_settings
 from libs.protocol.keys import Keys
@@ -30,7 +29,7 @@ async def main() -> None:
         max_restarts=cfg.max_restarts,
     )
     nc = await connect(common.nats_url, "scheduler")
-    redis = Redis.from_url(common.redis_url)
+    redis = connect_redis(common.redis_url)
     service = SchedulerService(
         nc=nc,
         redis=redis,

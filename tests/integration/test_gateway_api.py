@@ -6,6 +6,7 @@ last test checks by counting the intake stream's messages.
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -244,3 +245,15 @@ async def test_an_unknown_lora_or_a_control_image_that_is_not_an_image_gets_422(
         assert err["param"] == param and fragment in err["message"], err
     info = await nc.jetstream().stream_info(Subjects(common.namespace).intake_stream)
     assert info.state.messages == 0  # nothing bad reached the scheduler
+
+
+async def test_a_redis_burst_beyond_the_pool_waits_for_connections_instead_of_failing(common):
+    from libs.common.redis_conn import connect_redis
+
+    redis = connect_redis(common.redis_url, max_connections=4)
+    try:
+        key = f"{common.namespace}:burst"
+        results = await asyncio.gather(*(redis.hset(key, f"f{i}", i) for i in range(200)))
+        assert sum(results) == 200 and await redis.hlen(key) == 200
+    finally:
+        await redis.aclose()
