@@ -28,8 +28,13 @@ KEY = "sk-cat"
 
 @pytest.fixture(scope="session")
 def built(tmp_path_factory):
+    from libs.models.tiny_sd import build_lora
+
     root = tmp_path_factory.mktemp("catalog-models")
-    return root, catalog.build(root)
+    built = catalog.build(root)
+    # A second SD1.5 adapter, so warm executors switch between two different LoRAs.
+    build_lora(root / "tiny-sd15", root / "loras" / "tiny-sd15-other.safetensors", seed=1)
+    return root, built
 
 
 @pytest.fixture(scope="session")
@@ -55,7 +60,8 @@ def stack(broker_urls, catalog_models, tmp_path_factory):
         for spec in catalog.workflows():
             status, body = s.http("POST", "/v1/workflows", json.loads(encode_spec(spec)), key=KEY)
             assert status == 201, (spec.name, body)
-        for name, path in catalog.LORAS.items():
+        loras = {**catalog.LORAS, "tiny-sd15-other": "loras/tiny-sd15-other.safetensors"}
+        for name, path in loras.items():
             assert s.http("POST", "/v1/loras", {"name": name, "path": path}, key=KEY)[0] == 201
         yield s
     finally:
@@ -147,7 +153,13 @@ def test_warm_executors_switch_loras_between_requests(stack, catalog_models):
         "num_inference_steps": 3,
         "guidance_scale": 7.5,
     }
-    for lora, scale in (("tiny-sd15-style", 1.0), ("", 1.0), ("tiny-sd15-style", 0.5)):
+    seen = []
+    for lora, scale in (
+        ("tiny-sd15-style", 1.0),
+        ("", 1.0),
+        ("tiny-sd15-other", 1.0),
+        ("tiny-sd15-style", 0.5),
+    ):
         body = {
             "model": "tiny-sd15-lora",
             "prompt": "a hill",
@@ -158,8 +170,13 @@ def test_warm_executors_switch_loras_between_requests(stack, catalog_models):
         }
         status, resp = stack.http("POST", "/v1/images/generations", body, key=KEY)
         assert status == 200, resp
-        want = pipeline_image(catalog_models, {**base, "lora_scale": scale}, lora="style" if lora else None)
-        assert np.array_equal(pixels(resp["data"][0]["b64_json"]), want), (lora, scale)
+        want = pipeline_image(
+            catalog_models, {**base, "lora_scale": scale}, lora=lora.removeprefix("tiny-sd15-") or None
+        )
+        got = pixels(resp["data"][0]["b64_json"])
+        assert np.array_equal(got, want), (lora, scale)
+        seen.append(got)
+    assert all(not np.array_equal(a, b) for i, a in enumerate(seen) for b in seen[i + 1 :])  # four images
 
 
 def test_bad_adapters_and_specs_are_refused_and_the_platform_keeps_serving(stack):
