@@ -76,7 +76,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from libs.models.lazy import LazyList
-from libs.models.lora import LoraSwitch, adapter_name
+from libs.models.lora import LoraSwitch
 from libs.workflow.modelfn import ModelFn
 
 if TYPE_CHECKING:
@@ -344,53 +344,30 @@ def _control_residuals(value: Any, name: str, device: Any) -> LazyList | None:
     return LazyList(fetch, pick)
 
 
-class _FluxLoraTarget:
-    """What :class:`LoraSwitch` drives: the transformer itself, except that adapters load the way
-    ``FluxLoraLoaderMixin.load_lora_into_transformer`` loads them, with the network alphas and
-    adapter metadata that :func:`_flux_lora_loader` read from the same file."""
+def _load_flux_lora(path: str) -> tuple[dict[str, Any], str, dict[str, Any]]:
+    """A LoRA file as ``FluxLoraLoaderMixin.load_lora_weights`` reads it, for :class:`LoraSwitch`."""
+    from diffusers import FluxPipeline
 
-    def __init__(self, transformer: Any, extras: dict[str, tuple[Any, Any]]) -> None:
-        self.transformer = transformer
-        self._extras = extras
-
-    def load_lora_adapter(self, state_dict: dict[str, Any], prefix: str | None, adapter_name: str) -> None:
-        network_alphas, metadata = self._extras.pop(adapter_name, (None, None))
-        # lora_pipeline.py 1676-1698, FluxLoraLoaderMixin.load_lora_into_transformer; low_cpu_mem_usage is
-        # load_lora_weights' default with peft and transformers > 4.45.2 (it only avoids a random
-        # init of the LoRA layers before the file's weights replace it).
-        self.transformer.load_lora_adapter(
-            state_dict,
-            prefix=prefix,
-            network_alphas=network_alphas,
-            adapter_name=adapter_name,
-            metadata=metadata,
-            low_cpu_mem_usage=True,
+    # FluxLoraLoaderMixin.load_lora_weights (lora_pipeline.py 1597-1600): the state dict
+    # (kohya/xlabs/... converted to diffusers keys), its network alphas and the adapter
+    # metadata stored in the file.
+    state_dict, network_alphas, metadata = FluxPipeline.lora_state_dict(
+        path, return_alphas=True, return_lora_metadata=True
+    )
+    foreign = sorted(k for k in state_dict if not (k.startswith("transformer.") and "lora" in k))
+    if foreign:
+        raise ValueError(
+            f"{path}: only transformer LoRA weights are supported; found {len(foreign)} other keys, "
+            f"e.g. {foreign[0]!r}"
         )
-
-    def __getattr__(self, name: str) -> Any:  # enable_lora, disable_lora, set_adapters, ...
-        return getattr(self.transformer, name)
-
-
-def _flux_lora_loader(extras: dict[str, tuple[Any, Any]]) -> Any:
-    def load(path: str) -> tuple[dict[str, Any], str]:
-        from diffusers import FluxPipeline
-
-        # FluxLoraLoaderMixin.load_lora_weights (lora_pipeline.py 1597-1600): the state dict
-        # (kohya/xlabs/... converted to diffusers keys), its network alphas and the adapter
-        # metadata stored in the file.
-        state_dict, network_alphas, metadata = FluxPipeline.lora_state_dict(
-            path, return_alphas=True, return_lora_metadata=True
-        )
-        foreign = sorted(k for k in state_dict if not (k.startswith("transformer.") and "lora" in k))
-        if foreign:
-            raise ValueError(
-                f"{path}: only transformer LoRA weights are supported; found {len(foreign)} other keys, "
-                f"e.g. {foreign[0]!r}"
-            )
-        extras[adapter_name(path)] = (network_alphas, metadata)
-        return state_dict, "transformer"
-
-    return load
+    # What load_lora_into_transformer passes load_lora_adapter (lora_pipeline.py 1676-1698);
+    # low_cpu_mem_usage is load_lora_weights' default with peft and transformers > 4.45.2 (it only
+    # avoids a random init of the LoRA layers before the file's weights replace it).
+    return (
+        state_dict,
+        "transformer",
+        dict(network_alphas=network_alphas, metadata=metadata, low_cpu_mem_usage=True),
+    )
 
 
 class FluxTransformer(ModelFn):
@@ -422,11 +399,7 @@ class FluxTransformer(ModelFn):
 
         transformer = FluxTransformer2DModel.from_pretrained(model_path, subfolder="transformer")
         transformer = transformer.to(_device()).eval()
-        extras: dict[str, tuple[Any, Any]] = {}
-        return {
-            "transformer": transformer,
-            "lora": LoraSwitch(_FluxLoraTarget(transformer, extras), _flux_lora_loader(extras)),
-        }
+        return {"transformer": transformer, "lora": LoraSwitch(transformer, _load_flux_lora)}
 
     def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
         import torch

@@ -58,9 +58,14 @@ LoRA. ``sana.transformer`` takes ``lora`` (a safetensors path, "" = none) and ``
 switches adapters with :class:`~libs.models.lora.LoraSwitch` (never fused). The scale is applied the
 pipeline's way, ``attention_kwargs={"scale": lora_scale}`` (``apply_lora_scale`` multiplies each
 adapter's ``alpha / r`` by it), with the adapter itself at weight 1.0, so any ``alpha``/``r`` gives
-the pipeline's bits. ``LoraSwitch`` loads state dicts without the adapter metadata that
-``SanaPipeline.load_lora_weights`` passes on, so diffusers infers ``lora_alpha = r``: a LoRA saved
-with ``lora_alpha != r`` (in its metadata) would be scaled differently from the pipeline.
+the pipeline's bits. The loader (``_lora_loader``) hands ``LoraSwitch`` the state dict without the
+adapter metadata that ``SanaPipeline.load_lora_weights`` passes on, so diffusers infers
+``lora_alpha = r``: a LoRA saved with ``lora_alpha != r`` (in its metadata) would be scaled
+differently from the pipeline. The switch restores the base weights' ``requires_grad`` flags
+(``match_requires_grad``): they change Sana's bits, since ``F.linear`` on the transposed input that
+the linear attention feeds ``to_out`` takes another path when the weight requires grad, and peft
+freezes the base weights when an adapter loads. So a plain request on a warm executor runs with the
+flags of a fresh ``SanaPipeline`` and a LoRA request with all frozen, as after ``load_lora_weights``.
 
 Dtypes follow the pipelines as loaded by ``from_pretrained`` without ``torch_dtype``. Noise is drawn
 in fp32 on the CPU from ``torch.Generator("cpu").manual_seed(seed)`` (its only draw), as
@@ -362,28 +367,11 @@ class SanaTransformer(ModelFn):
         from libs.models.lora import LoraSwitch
 
         transformer = _load(model_path, "transformer").to(_device()).eval()
-        base = list(transformer.parameters())
+        # match_requires_grad: the flags change Sana's bits (see the module docstring, "LoRA")
         return {
             "transformer": transformer,
-            "lora": LoraSwitch(transformer, _lora_loader),
-            # (parameter, requires_grad as from_pretrained left it): see _match_requires_grad
-            "base_parameters": [(p, p.requires_grad) for p in base],
+            "lora": LoraSwitch(transformer, _lora_loader, match_requires_grad=True),
         }
-
-    @staticmethod
-    def _match_requires_grad(components: dict[str, Any], lora_active: bool) -> None:
-        """Give the base weights the ``requires_grad`` flags the pipeline's would have.
-
-        The flag changes the bits even under ``no_grad``: ``F.linear`` on a non-contiguous 3-D
-        input (Sana's linear attention feeds ``to_out`` a transposed tensor) folds it into one
-        matmul or not depending on whether the weight requires grad (~4e-7 apart). Injecting a
-        LoRA makes peft freeze every base weight, and ``disable_lora`` leaves them frozen, so on
-        a warm executor a plain request after a LoRA one would not match a fresh ``SanaPipeline``
-        (whose weights require grad). Plain request: the flags ``from_pretrained`` gave; LoRA
-        request: all frozen, as after ``load_lora_weights``.
-        """
-        for param, fresh in components["base_parameters"]:
-            param.requires_grad_(False if lora_active else fresh)
 
     def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
         import torch
@@ -398,7 +386,6 @@ class SanaTransformer(ModelFn):
         # The adapter at weight 1.0 (scaling alpha / r, as after load_lora_weights); the request's
         # scale goes in as the pipeline passes it, attention_kwargs={"scale": ...} (sana 848, 923).
         components["lora"].use(lora_path, 1.0)
-        self._match_requires_grad(components, bool(lora_path))
         attention_kwargs = {"scale": lora_scale} if lora_path else None
         control = inputs.get("controlnet_block_samples")
         guidance_scale = float(inputs["guidance_scale"])

@@ -128,47 +128,31 @@ def _check_cfg_batch(prompt_embeds: torch.Tensor, latents: torch.Tensor, do_cfg:
         )
 
 
-class _UnetLoraTarget:
-    """The UNet as :class:`LoraSwitch` drives it, loading files the way SD's ``load_lora_weights`` does.
+def _load_unet_lora(path: str) -> tuple[dict[str, Any], str, dict[str, Any]]:
+    """A LoRA file as SD's ``load_lora_weights`` reads it, for :class:`LoraSwitch`.
 
-    ``load(path)`` is the switch's loader: ``lora_state_dict(path, return_lora_metadata=True)``
-    (which also converts kohya/A1111 files and returns their ``network_alphas``), then
-    ``load_lora_adapter`` gets the state dict with ``prefix="unet"`` *and* the alphas/metadata,
-    as ``load_lora_into_unet`` passes them (``lora_alpha`` lives in the metadata; without it the
-    adapter's scaling would differ). Everything else is the UNet's (``set_adapters``, ...).
-    """
+    ``lora_state_dict(path, return_lora_metadata=True)`` (which also converts kohya/A1111 files and
+    returns their ``network_alphas``); ``load_lora_adapter`` then gets the state dict with
+    ``prefix="unet"`` *and* the alphas/metadata, as ``load_lora_into_unet`` passes them
+    (``lora_alpha`` lives in the metadata; without it the adapter's scaling would differ)."""
+    from diffusers import StableDiffusionPipeline
 
-    def __init__(self, unet: Any) -> None:
-        self.unet = unet
-        self._extras: dict[str, Any] = {}
-
-    def load(self, path: str) -> tuple[dict[str, Any], str]:
-        from diffusers import StableDiffusionPipeline
-
-        state_dict, network_alphas, metadata = StableDiffusionPipeline.lora_state_dict(
-            path, return_lora_metadata=True
+    state_dict, network_alphas, metadata = StableDiffusionPipeline.lora_state_dict(
+        path, return_lora_metadata=True
+    )
+    # load_lora_weights' format check
+    if not all("lora" in key for key in state_dict):
+        raise ValueError(
+            "Invalid LoRA checkpoint. Make sure all LoRA param names contain `'lora'` substring."
         )
-        # load_lora_weights' format check
-        if not all("lora" in key for key in state_dict):
-            raise ValueError(
-                "Invalid LoRA checkpoint. Make sure all LoRA param names contain `'lora'` substring."
-            )
-        if any(key.startswith("text_encoder.") for key in state_dict):
-            raise ValueError(
-                f"{path}: LoRA layers for the text encoder are not supported (sd.text_encoder has no adapters); "
-                "only UNet LoRAs reproduce the pipeline's image"
-            )
-        if not any(key.startswith("unet.") for key in state_dict):
-            raise ValueError(f"{path}: no UNet LoRA layers found")
-        self._extras = {"network_alphas": network_alphas, "metadata": metadata}
-        return state_dict, "unet"
-
-    def load_lora_adapter(self, state_dict: dict[str, Any], prefix: str, adapter_name: str) -> None:
-        extras, self._extras = self._extras, {}
-        self.unet.load_lora_adapter(state_dict, prefix=prefix, adapter_name=adapter_name, **extras)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.unet, name)
+    if any(key.startswith("text_encoder.") for key in state_dict):
+        raise ValueError(
+            f"{path}: LoRA layers for the text encoder are not supported (sd.text_encoder has no adapters); "
+            "only UNet LoRAs reproduce the pipeline's image"
+        )
+    if not any(key.startswith("unet.") for key in state_dict):
+        raise ValueError(f"{path}: no UNet LoRA layers found")
+    return state_dict, "unet", {"network_alphas": network_alphas, "metadata": metadata}
 
 
 # -- the ModelFns --------------------------------------------------------------------------------
@@ -419,10 +403,9 @@ class SdUnet(ModelFn):
         unet = UNet2DConditionModel.from_pretrained(model_path, subfolder="unet").to(_device()).eval()
         if unet.config.time_cond_proj_dim is not None:
             raise NotImplementedError(f"{model_path}: UNets with time_cond_proj_dim (LCM) are not mirrored")
-        target = _UnetLoraTarget(unet)
         return {
             "unet": unet,
-            "lora": LoraSwitch(target, target.load),
+            "lora": LoraSwitch(unet, _load_unet_lora),
             "scheduler": DDIMScheduler.from_config(_scheduler_config(model_path)),
         }
 

@@ -136,10 +136,10 @@ def _set_sd3_timesteps(
 
 
 def _check_lora_metadata(path: str, metadata: dict[str, Any] | None) -> None:
-    """Refuse adapters whose saved config ``LoraSwitch`` would not reproduce.
+    """Refuse adapters whose saved config :func:`_load_sd3_lora` would not reproduce.
 
-    ``LoraSwitch`` passes ``load_lora_adapter`` a state dict without the file's adapter metadata, and
-    diffusers then infers ``lora_alpha = r`` per module (``get_peft_kwargs``); the pipeline's
+    The loader hands ``LoraSwitch`` the state dict without the file's adapter metadata, so
+    ``load_lora_adapter`` infers ``lora_alpha = r`` per module (``get_peft_kwargs``); the pipeline's
     ``load_lora_weights`` uses the metadata. They agree exactly when the metadata says the same."""
     if not metadata:
         return

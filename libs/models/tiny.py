@@ -4,13 +4,13 @@
 ``tiny-flux`` (dev), ``tiny-flux-schnell``, ``tiny-flux-controlnet`` (a ``FluxControlNetModel`` with
 the tiny transformer's dimensions, for dev and schnell alike) and the LoRA file
 ``loras/tiny-flux-style.safetensors`` (key ``tiny-flux-style``). Every piece is idempotent: a
-manifest written last marks it complete.
+manifest written last marks it complete (:mod:`libs.models.builds`).
 
 ``build_flux(out_dir, preset, seed)`` builds a ``FluxPipeline`` from the configs below, seeds torch
 first so the weights are a function of ``seed``, saves it with ``save_pretrained`` (the layout every
 ``load_model`` reads) and writes a manifest, ``t2i-model.json``, last. A folder whose manifest
 matches is complete and is not rebuilt; the build goes to a temporary sibling folder that is
-renamed into place, so an interrupted build never looks complete.
+renamed into place, so an interrupted build never looks complete (:func:`~libs.models.builds.build_folder`).
 
 Tokenizers are built from in-memory vocabularies (transformers 5 needs no downloaded files):
 
@@ -55,18 +55,17 @@ Presets (same text encoders in both; each text encoder has hidden size 32):
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import string
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from libs.models import builds
+from libs.models.builds import MANIFEST
 
 FAMILY = "flux"
 CONTROLNET_FAMILY = "flux-controlnet"
 LORA_FAMILY = "flux-lora"
-MANIFEST = "t2i-model.json"
 LORA_MANIFEST_SUFFIX = ".t2i-lora.json"
 PRESETS = ("tiny", "bench")
 VARIANTS = ("dev", "schnell")
@@ -124,6 +123,9 @@ _LORA_TARGETS = [
     "proj_mlp",
 ]
 _LORA_RANK, _LORA_ALPHA = 4, 8
+_LORA_CONFIG = dict(
+    r=_LORA_RANK, lora_alpha=_LORA_ALPHA, init_lora_weights=True, target_modules=_LORA_TARGETS
+)
 LORA_NAME = "tiny-flux-style"
 
 
@@ -137,31 +139,18 @@ def manifest_for(preset: str, seed: int, *, variant: str = "dev", family: str = 
     return data
 
 
-def _write_json(path: Path, data: dict[str, Any]) -> Path:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    tmp.replace(path)
-    return path
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
 def write_manifest(
     out_dir: str | os.PathLike[str], preset: str, seed: int, *, variant: str = "dev", family: str = FAMILY
 ) -> Path:
     """Mark ``out_dir`` as a complete build of ``preset``/``seed``; call after everything else."""
-    return _write_json(Path(out_dir) / MANIFEST, manifest_for(preset, seed, variant=variant, family=family))
+    return builds.write_manifest(
+        Path(out_dir) / MANIFEST, manifest_for(preset, seed, variant=variant, family=family)
+    )
 
 
 def read_manifest(out_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
     """The manifest of a built folder, or None if there is none (or it is unreadable)."""
-    return _read_json(Path(out_dir) / MANIFEST)
+    return builds.read_manifest(Path(out_dir) / MANIFEST)
 
 
 def is_built(
@@ -286,34 +275,13 @@ def flux_pipeline(preset: str = "tiny", seed: int = 0, variant: str = "dev") -> 
     )
 
 
-def _build_folder(out: Path, manifest: dict[str, Any], save: Any) -> Path:
-    """Build a folder at ``out`` with ``save(tmp)`` unless its manifest already says ``manifest``;
-    the build goes to a temporary sibling that is renamed into place, manifest last."""
-    if read_manifest(out) == manifest:
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.building-", dir=out.parent))
-    try:
-        save(tmp)
-        _write_json(tmp / MANIFEST, manifest)  # last: the folder is complete
-        tmp.chmod(0o755)  # mkdtemp made it private
-        if out.exists():
-            if read_manifest(out) == manifest:  # a concurrent build finished first
-                return out
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
-
-
 def build_flux(
     out_dir: str | os.PathLike[str], preset: str = "tiny", seed: int = 0, variant: str = "dev"
 ) -> Path:
     """Build and save a Flux pipeline folder at ``out_dir``; a no-op if it is already built."""
     _check(preset, variant)
-    return _build_folder(
-        Path(out_dir),
+    return builds.build_folder(
+        out_dir,
         manifest_for(preset, seed, variant=variant),
         lambda tmp: flux_pipeline(preset, seed, variant).save_pretrained(tmp),
     )
@@ -341,8 +309,8 @@ def build_controlnet(out_dir: str | os.PathLike[str], preset: str = "tiny", seed
     """Build and save a ControlNet folder (``FluxControlNetModel.save_pretrained``: config and
     weights at the folder's top) at ``out_dir``; a no-op if it is already built."""
     _check(preset)
-    return _build_folder(
-        Path(out_dir),
+    return builds.build_folder(
+        out_dir,
         manifest_for(preset, seed, family=CONTROLNET_FAMILY),
         lambda tmp: flux_controlnet(preset, seed).save_pretrained(tmp),
     )
@@ -352,51 +320,31 @@ def flux_lora(preset: str = "tiny", seed: int = 0) -> tuple[dict[str, Any], dict
     """A random, non-zero LoRA of the transformer of ``preset``: (state dict, adapter metadata)."""
     import torch
     from diffusers import FluxTransformer2DModel
-    from peft import LoraConfig
-    from peft.utils import get_peft_model_state_dict
 
     _check(preset)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         transformer = FluxTransformer2DModel(**_TRANSFORMERS[preset])
-        config = LoraConfig(
-            r=_LORA_RANK, lora_alpha=_LORA_ALPHA, init_lora_weights=True, target_modules=_LORA_TARGETS
-        )
-        transformer.add_adapter(config)  # lora_A: kaiming-uniform from the seeded RNG; lora_B: zeros
-        generator = torch.Generator().manual_seed(seed + 1)
-        with torch.no_grad():
-            for name, param in transformer.named_parameters():
-                if "lora_B" in name:
-                    param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
-        state_dict = get_peft_model_state_dict(transformer)
+        # lora_A: kaiming-uniform from the seeded RNG; lora_B (zeros) re-drawn from seed + 1
+        state_dict, config = builds.random_lora_(transformer, seed=seed + 1, std=0.5, **_LORA_CONFIG)
     # Sets (target_modules) become sorted lists: save_lora_weights would list them in hash order.
-    metadata = {
-        k: sorted(v) if isinstance(v, set) else v
-        for k, v in transformer.peft_config["default"].to_dict().items()
-    }
-    return state_dict, metadata
+    return state_dict, {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
 
 
 def lora_manifest_path(path: str | os.PathLike[str]) -> Path:
-    p = Path(path)
-    return p.with_name(p.name.removesuffix(".safetensors") + LORA_MANIFEST_SUFFIX)
+    return builds.sidecar_path(path, LORA_MANIFEST_SUFFIX)
 
 
 def build_lora(path: str | os.PathLike[str], preset: str = "tiny", seed: int = 0) -> Path:
     """Write the LoRA safetensors file at ``path`` (``FluxPipeline.save_lora_weights``); a no-op if
     it is there and its manifest (``<stem>.t2i-lora.json``, written last) matches."""
+    _check(preset)
     out = Path(path)
     manifest = {**manifest_for(preset, seed, family=LORA_FAMILY), "rank": _LORA_RANK, "alpha": _LORA_ALPHA}
-    manifest_path = lora_manifest_path(out)
-    if out.is_file() and _read_json(manifest_path) == manifest:
-        return out
-    _check(preset)
-    from diffusers import FluxPipeline
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    manifest_path.unlink(missing_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.building-", dir=out.parent))
-    try:
+    def save(tmp: Path) -> None:
+        from diffusers import FluxPipeline
+
         state_dict, metadata = flux_lora(preset, seed)
         FluxPipeline.save_lora_weights(
             tmp,
@@ -404,12 +352,8 @@ def build_lora(path: str | os.PathLike[str], preset: str = "tiny", seed: int = 0
             weight_name=out.name,
             transformer_lora_adapter_metadata=metadata,
         )
-        (tmp / out.name).chmod(0o644)
-        (tmp / out.name).replace(out)
-        _write_json(manifest_path, manifest)  # last: the file is complete
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+
+    return builds.build_file(out, lora_manifest_path(out), manifest, save)
 
 
 def build(out_root: str | os.PathLike[str], seed: int = 0) -> dict[str, Path]:

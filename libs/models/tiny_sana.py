@@ -12,7 +12,7 @@
 Every folder gets a manifest (``t2i-model.json``) written last, and the LoRA a sidecar manifest
 (``tiny-sana-style.json``) written after the file; an existing output whose manifest matches is
 left alone, so the build is idempotent. Folders are built in a temporary sibling and renamed into
-place, so an interrupted build never looks complete.
+place, so an interrupted build never looks complete (the mechanics are :mod:`libs.models.builds`').
 
 What the components are, and why:
 
@@ -37,22 +37,20 @@ What the components are, and why:
   checkpoints ship ``DPMSolverMultistepScheduler``; ``sana.scheduler_step`` handles both).
 * LoRA: rank 4 with ``lora_alpha`` 4 on ``to_q``/``to_k``/``to_v``/``to_out.0`` of every attention,
   ``lora_B`` drawn at random (peft initialises it to zero, which would make the LoRA a no-op).
-  ``lora_alpha == r`` matters: the platform's ``LoraSwitch`` loads state dicts without the saved
-  adapter metadata, and diffusers then infers ``lora_alpha = r``.
+  ``lora_alpha == r`` matters: ``sana.transformer`` loads state dicts without the saved adapter
+  metadata, and diffusers then infers ``lora_alpha = r``.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from libs.models.builds import MANIFEST, build_file, build_folder, random_lora_, read_manifest, sidecar_path
+
 FAMILY = "sana"
 PRESET = "tiny"
-MANIFEST = "t2i-model.json"
 BASE_NAME = "tiny-sana"
 CONTROLNET_NAME = "tiny-sana-controlnet"
 LORA_NAME = "tiny-sana-style"
@@ -60,6 +58,7 @@ LORA_NAME = "tiny-sana-style"
 _TEXT_DIM = 16  # Gemma2 hidden size = the transformer's caption_channels
 _LORA_RANK = 4
 _LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
+_LORA_CONFIG = dict(r=_LORA_RANK, lora_alpha=_LORA_RANK, target_modules=_LORA_TARGETS, init_lora_weights=True)
 
 _TRANSFORMER: dict[str, Any] = dict(
     patch_size=1,
@@ -84,35 +83,21 @@ def manifest_for(kind: str, seed: int) -> dict[str, Any]:
     return {"family": FAMILY, "preset": PRESET, "kind": kind, "seed": int(seed)}
 
 
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    tmp.replace(path)
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
 def lora_path(out_root: str | os.PathLike[str]) -> Path:
     return Path(out_root) / "loras" / f"{LORA_NAME}.safetensors"
 
 
 def _lora_manifest_path(out_root: str | os.PathLike[str]) -> Path:
-    return lora_path(out_root).with_suffix(".json")
+    return sidecar_path(lora_path(out_root), ".json")
 
 
 def is_built(out_root: str | os.PathLike[str], seed: int = 0) -> bool:
     root = Path(out_root)
     return (
-        _read_json(root / BASE_NAME / MANIFEST) == manifest_for("pipeline", seed)
-        and _read_json(root / CONTROLNET_NAME / MANIFEST) == manifest_for("controlnet-pipeline", seed)
+        read_manifest(root / BASE_NAME / MANIFEST) == manifest_for("pipeline", seed)
+        and read_manifest(root / CONTROLNET_NAME / MANIFEST) == manifest_for("controlnet-pipeline", seed)
         and lora_path(root).is_file()
-        and _read_json(_lora_manifest_path(root)) == manifest_for("lora", seed)
+        and read_manifest(_lora_manifest_path(root)) == manifest_for("lora", seed)
     )
 
 
@@ -216,69 +201,34 @@ def lora_state_dict(transformer: Any, seed: int = 0) -> tuple[dict[str, Any], di
     """A random non-zero LoRA for ``transformer`` (left unchanged): (peft state dict, LoraConfig dict)."""
     import copy
 
-    import torch
-    from peft import LoraConfig
-    from peft.utils import get_peft_model_state_dict
-
-    model = copy.deepcopy(transformer)
-    config = LoraConfig(
-        r=_LORA_RANK, lora_alpha=_LORA_RANK, target_modules=_LORA_TARGETS, init_lora_weights=True
-    )
-    model.add_adapter(config)
-    generator = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, param in sorted(model.named_parameters()):
-            if "lora_B" in name:  # peft starts lora_B at zero: the adapter would be a no-op
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
-    return get_peft_model_state_dict(model), config.to_dict()
+    # lora_A from the global RNG; lora_B (zero: the adapter would be a no-op) drawn in name order
+    return random_lora_(copy.deepcopy(transformer), seed=seed + 1, std=0.5, sort_names=True, **_LORA_CONFIG)
 
 
 # -- building ------------------------------------------------------------------------------------
 
 
 def _save_folder(out: Path, pipeline_fn: Any, kind: str, seed: int) -> Path:
-    if _read_json(out / MANIFEST) == manifest_for(kind, seed):
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.building-", dir=out.parent))
-    try:
-        pipeline_fn(seed).save_pretrained(tmp)
-        _write_json(tmp / MANIFEST, manifest_for(kind, seed))  # last: the folder is complete
-        tmp.chmod(0o755)  # mkdtemp made it private
-        if out.exists():
-            if _read_json(out / MANIFEST) == manifest_for(kind, seed):  # a concurrent build won
-                return out
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    return build_folder(out, manifest_for(kind, seed), lambda tmp: pipeline_fn(seed).save_pretrained(tmp))
 
 
 def _save_lora(out_root: Path, seed: int) -> Path:
-    from diffusers import SanaPipeline, SanaTransformer2DModel
+    path = lora_path(out_root)
 
-    path, manifest = lora_path(out_root), _lora_manifest_path(out_root)
-    if path.is_file() and _read_json(manifest) == manifest_for("lora", seed):
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    manifest.unlink(missing_ok=True)
-    # The LoRA's shapes come from the saved transformer (the same weights components() draws).
-    transformer = SanaTransformer2DModel.from_pretrained(out_root / BASE_NAME, subfolder="transformer")
-    state_dict, config = lora_state_dict(transformer, seed)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{LORA_NAME}.building-", dir=path.parent))
-    try:
+    def save(tmp: Path) -> None:
+        from diffusers import SanaPipeline, SanaTransformer2DModel
+
+        # The LoRA's shapes come from the saved transformer (the same weights components() draws).
+        transformer = SanaTransformer2DModel.from_pretrained(out_root / BASE_NAME, subfolder="transformer")
+        state_dict, config = lora_state_dict(transformer, seed)
         SanaPipeline.save_lora_weights(
             tmp,
             transformer_lora_layers=state_dict,
             weight_name=path.name,
             transformer_lora_adapter_metadata=config,
         )
-        (tmp / path.name).replace(path)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    _write_json(manifest, manifest_for("lora", seed))  # last: the LoRA is complete
-    return path
+
+    return build_file(path, _lora_manifest_path(out_root), manifest_for("lora", seed), save)
 
 
 def build(out_root: str | os.PathLike[str], seed: int = 0) -> dict[str, Path]:

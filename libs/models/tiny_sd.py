@@ -18,7 +18,8 @@ leave the UNet unchanged.
 
 Each artifact is built into a temporary sibling and renamed into place; its manifest
 (``t2i-model.json`` in a folder, ``<stem>.t2i-model.json`` beside the LoRA file) is written last, so
-an interrupted build never looks complete, and a complete one is left alone (idempotent).
+an interrupted build never looks complete, and a complete one is left alone (idempotent; the
+mechanics are :mod:`libs.models.builds`').
 
 Sizes: the UNet has two blocks of 16/32 channels, the VAE two blocks (scale factor 2), the text
 encoder hidden size 32. A 64x64, 3-step image with CFG takes a few tens of milliseconds.
@@ -26,15 +27,14 @@ encoder hidden size 32. A 64x64, 3-step image with CFG takes a few tens of milli
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from libs.models.builds import MANIFEST, build_file, build_folder, random_lora_, randomize_, sidecar_path
+from libs.models.builds import read_manifest as read_manifest  # re-exported: tests read manifests
+
 FAMILY = "sd15"
-MANIFEST = "t2i-model.json"
 BASE = "tiny-sd15"
 CONTROLNET = "tiny-sd15-controlnet"
 LORA = "tiny-sd15-style"
@@ -50,24 +50,8 @@ def manifest_for(kind: str, seed: int) -> dict[str, Any]:
     return {"family": FAMILY, "kind": kind, "seed": int(seed)}
 
 
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    tmp.replace(path)
-
-
-def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """The manifest at ``path`` (a manifest file), or None if there is none or it is unreadable."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
 def lora_manifest_path(lora_file: str | os.PathLike[str]) -> Path:
-    p = Path(lora_file)
-    return p.with_name(p.name.removesuffix(".safetensors") + "." + MANIFEST)
+    return sidecar_path(lora_file, "." + MANIFEST)
 
 
 # -- components ----------------------------------------------------------------------------------
@@ -141,16 +125,6 @@ def sd_pipeline(seed: int = 0) -> Any:
     )
 
 
-def _randomize_(tensors: list[Any], seed: int, std: float) -> None:
-    """Overwrite ``tensors`` in place with N(0, std) draws from a generator seeded with ``seed``."""
-    import torch
-
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for t in tensors:
-            t.copy_(torch.randn(t.shape, generator=gen, dtype=t.dtype) * std)
-
-
 def controlnet_from_unet(unet: Any, seed: int = 0) -> Any:
     """``ControlNetModel.from_unet(unet)`` with its zero convolutions re-drawn at random."""
     from diffusers import ControlNetModel
@@ -159,7 +133,7 @@ def controlnet_from_unet(unet: Any, seed: int = 0) -> Any:
     controlnet = ControlNetModel.from_unet(unet, conditioning_embedding_out_channels=(8, 16))
     zero_modules = [controlnet.controlnet_cond_embedding.conv_out, *controlnet.controlnet_down_blocks]
     zero_modules.append(controlnet.controlnet_mid_block)
-    _randomize_([p for m in zero_modules for p in m.parameters()], seed=seed + 1, std=0.2)
+    randomize_([p for m in zero_modules for p in m.parameters()], seed=seed + 1, std=0.2)
     return controlnet
 
 
@@ -168,65 +142,30 @@ def lora_state_dict(unet: Any, seed: int = 0, rank: int = 4, alpha: int = 8) -> 
 
     ``unet`` gets a peft adapter named ``"default"`` attached (use a throw-away copy)."""
     import torch
-    from peft import LoraConfig
-    from peft.utils import get_peft_model_state_dict
 
-    torch.manual_seed(seed)  # lora_A's kaiming init
-    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=["to_q", "to_k", "to_v", "to_out.0"])
-    unet.add_adapter(config)
-    lora_b = [p for n, p in unet.named_parameters() if "lora_B" in n]
-    _randomize_(lora_b, seed=seed + 1, std=0.5)  # zero-initialised by peft
+    torch.manual_seed(seed)  # lora_A's kaiming init; lora_B (zero-initialised by peft) from seed + 1
     # peft's key names (``...to_q.lora_A.weight``); save_lora_weights adds the ``unet.`` prefix
-    return get_peft_model_state_dict(unet), unet.peft_config["default"].to_dict()
+    targets = ["to_q", "to_k", "to_v", "to_out.0"]
+    return random_lora_(unet, seed=seed + 1, std=0.5, r=rank, lora_alpha=alpha, target_modules=targets)
 
 
 # -- builds --------------------------------------------------------------------------------------
 
 
-def _build_folder(out: Path, kind: str, seed: int, save: Any) -> Path:
-    """Run ``save(tmp_dir)`` into a temporary sibling of ``out``, write the manifest, rename."""
-    want = manifest_for(kind, seed)
-    if read_manifest(out / MANIFEST) == want:
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.building-", dir=out.parent))
-    try:
-        save(tmp)
-        _write_json(tmp / MANIFEST, want)  # last: the folder is complete
-        tmp.chmod(0o755)  # mkdtemp made it private
-        if out.exists():
-            if read_manifest(out / MANIFEST) == want:  # a concurrent build finished first
-                return out
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
-
-
 def build_lora(base_dir: str | os.PathLike[str], out_file: str | os.PathLike[str], seed: int = 0) -> Path:
     """A random UNet LoRA for the pipeline at ``base_dir``, saved at ``out_file`` (idempotent)."""
-    from diffusers import StableDiffusionPipeline, UNet2DConditionModel
-
     out = Path(out_file)
-    manifest = lora_manifest_path(out)
-    want = manifest_for("lora", seed)
-    if read_manifest(manifest) == want and out.is_file():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    unet = UNet2DConditionModel.from_pretrained(base_dir, subfolder="unet")
-    layers, metadata = lora_state_dict(unet, seed=seed)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.building-", dir=out.parent))
-    try:
+
+    def save(tmp: Path) -> None:
+        from diffusers import StableDiffusionPipeline, UNet2DConditionModel
+
+        unet = UNet2DConditionModel.from_pretrained(base_dir, subfolder="unet")
+        layers, metadata = lora_state_dict(unet, seed=seed)
         StableDiffusionPipeline.save_lora_weights(
             tmp, unet_lora_layers=layers, weight_name=out.name, unet_lora_adapter_metadata=metadata
         )
-        manifest.unlink(missing_ok=True)
-        (tmp / out.name).replace(out)
-        _write_json(manifest, want)  # last: the file is complete
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+
+    return build_file(out, lora_manifest_path(out), manifest_for("lora", seed), save)
 
 
 def build(out_root: str | os.PathLike[str], seed: int = 0) -> dict[str, Path]:
@@ -235,13 +174,15 @@ def build(out_root: str | os.PathLike[str], seed: int = 0) -> dict[str, Path]:
     from diffusers import UNet2DConditionModel
 
     root = Path(out_root)
-    base = _build_folder(root / BASE, "pipeline", seed, lambda tmp: sd_pipeline(seed).save_pretrained(tmp))
+    base = build_folder(
+        root / BASE, manifest_for("pipeline", seed), lambda tmp: sd_pipeline(seed).save_pretrained(tmp)
+    )
 
     def save_controlnet(tmp: Path) -> None:
         torch.manual_seed(seed)
         unet = UNet2DConditionModel.from_pretrained(base, subfolder="unet")
         controlnet_from_unet(unet, seed=seed).save_pretrained(tmp)
 
-    controlnet = _build_folder(root / CONTROLNET, "controlnet", seed, save_controlnet)
+    controlnet = build_folder(root / CONTROLNET, manifest_for("controlnet", seed), save_controlnet)
     lora = build_lora(base, root / LORA_FILE, seed=seed)
     return {BASE: base, CONTROLNET: controlnet, LORA: lora}

@@ -29,26 +29,26 @@ Random weights that are zero by construction are re-drawn, or the tests would co
 the ControlNet's ``controlnet_blocks`` and ``pos_embed_input`` are zero modules, and a fresh
 LoRA's ``lora_B`` is zero.
 
-The LoRA has ``lora_alpha == r``: the platform's ``LoraSwitch`` loads state dicts without the saved
-adapter metadata, and diffusers then infers ``lora_alpha = r`` (``sd3.transformer`` refuses a file
-whose metadata says otherwise rather than produce a silently different image).
+The LoRA has ``lora_alpha == r``: ``sd3.transformer`` loads state dicts without the saved adapter
+metadata, and diffusers then infers ``lora_alpha = r`` (``sd3.transformer`` refuses a file whose
+metadata says otherwise rather than produce a silently different image).
 
 Each artifact is built into a temporary sibling and renamed into place; its manifest
 (``t2i-model.json`` in a folder, ``<stem>.t2i-model.json`` beside the LoRA file) is written last, so an
-interrupted build never looks complete, and a complete one is left alone (idempotent).
+interrupted build never looks complete, and a complete one is left alone (idempotent; the mechanics
+are :mod:`libs.models.builds`').
 """
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from libs.models.builds import MANIFEST, build_file, build_folder, random_lora_, randomize_, sidecar_path
+from libs.models.builds import read_manifest as read_manifest  # re-exported: tests read manifests
+
 FAMILY = "sd3"
-MANIFEST = "t2i-model.json"
 BASE = "tiny-sd3"
 CONTROLNET = "tiny-sd3-controlnet"
 LORA = "tiny-sd3-style"
@@ -95,24 +95,8 @@ def manifest_for(kind: str, seed: int) -> dict[str, Any]:
     return {"family": FAMILY, "kind": kind, "seed": int(seed)}
 
 
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    tmp.replace(path)
-
-
-def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """The manifest at ``path`` (a manifest file), or None if there is none or it is unreadable."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
 def lora_manifest_path(lora_file: str | os.PathLike[str]) -> Path:
-    p = Path(lora_file)
-    return p.with_name(p.name.removesuffix(".safetensors") + "." + MANIFEST)
+    return sidecar_path(lora_file, "." + MANIFEST)
 
 
 # -- components ----------------------------------------------------------------------------------
@@ -198,16 +182,6 @@ def sd3_pipeline(seed: int = 0) -> Any:
     )
 
 
-def _randomize_(tensors: list[Any], seed: int, std: float) -> None:
-    """Overwrite ``tensors`` in place with N(0, std) draws from a generator seeded with ``seed``."""
-    import torch
-
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for t in tensors:
-            t.copy_(torch.randn(t.shape, generator=gen, dtype=t.dtype) * std)
-
-
 def sd3_controlnet(seed: int = 0, num_layers: int = 2, force_zeros_for_pooled_projection: bool = True) -> Any:
     """An ``SD3ControlNetModel`` matching :func:`sd3_pipeline`'s transformer, zero modules re-drawn."""
     import torch
@@ -219,7 +193,7 @@ def sd3_controlnet(seed: int = 0, num_layers: int = 2, force_zeros_for_pooled_pr
         force_zeros_for_pooled_projection=force_zeros_for_pooled_projection,
     )
     zero_modules = [*controlnet.controlnet_blocks, controlnet.pos_embed_input]
-    _randomize_([p for m in zero_modules for p in m.parameters()], seed=seed + 1, std=0.2)
+    randomize_([p for m in zero_modules for p in m.parameters()], seed=seed + 1, std=0.2)
     return controlnet
 
 
@@ -228,76 +202,45 @@ def lora_state_dict(transformer: Any, seed: int = 0) -> tuple[dict[str, Any], di
 
     ``transformer`` gets a peft adapter named ``"default"`` attached (use a throw-away copy)."""
     import torch
-    from peft import LoraConfig
-    from peft.utils import get_peft_model_state_dict
 
-    torch.manual_seed(seed)  # lora_A's kaiming init
-    config = LoraConfig(r=_LORA_RANK, lora_alpha=_LORA_RANK, target_modules=_LORA_TARGETS)
-    transformer.add_adapter(config)
-    lora_b = [p for n, p in transformer.named_parameters() if "lora_B" in n]
-    _randomize_(lora_b, seed=seed + 1, std=0.5)  # zero-initialised by peft
-    return get_peft_model_state_dict(transformer), transformer.peft_config["default"].to_dict()
+    torch.manual_seed(seed)  # lora_A's kaiming init; lora_B (zero-initialised by peft) from seed + 1
+    return random_lora_(
+        transformer, seed=seed + 1, std=0.5, r=_LORA_RANK, lora_alpha=_LORA_RANK, target_modules=_LORA_TARGETS
+    )
 
 
 # -- builds --------------------------------------------------------------------------------------
 
 
-def _build_folder(out: Path, kind: str, seed: int, save: Any) -> Path:
-    """Run ``save(tmp_dir)`` into a temporary sibling of ``out``, write the manifest, rename."""
-    want = manifest_for(kind, seed)
-    if read_manifest(out / MANIFEST) == want:
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.building-", dir=out.parent))
-    try:
-        save(tmp)
-        _write_json(tmp / MANIFEST, want)  # last: the folder is complete
-        tmp.chmod(0o755)  # mkdtemp made it private
-        if out.exists():
-            if read_manifest(out / MANIFEST) == want:  # a concurrent build finished first
-                return out
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
-
-
 def build_lora(base_dir: str | os.PathLike[str], out_file: str | os.PathLike[str], seed: int = 0) -> Path:
     """A random transformer LoRA for the pipeline at ``base_dir``, saved at ``out_file`` (idempotent)."""
-    from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
-
     out = Path(out_file)
-    manifest = lora_manifest_path(out)
-    want = manifest_for("lora", seed)
-    if read_manifest(manifest) == want and out.is_file():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    transformer = SD3Transformer2DModel.from_pretrained(base_dir, subfolder="transformer")
-    layers, metadata = lora_state_dict(transformer, seed=seed)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.building-", dir=out.parent))
-    try:
+
+    def save(tmp: Path) -> None:
+        from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
+
+        transformer = SD3Transformer2DModel.from_pretrained(base_dir, subfolder="transformer")
+        layers, metadata = lora_state_dict(transformer, seed=seed)
         StableDiffusion3Pipeline.save_lora_weights(
             tmp,
             transformer_lora_layers=layers,
             weight_name=out.name,
             transformer_lora_adapter_metadata=metadata,
         )
-        manifest.unlink(missing_ok=True)
-        (tmp / out.name).chmod(0o644)  # as readable as the model folders
-        (tmp / out.name).replace(out)
-        _write_json(manifest, want)  # last: the file is complete
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+
+    return build_file(out, lora_manifest_path(out), manifest_for("lora", seed), save)
 
 
 def build(out_root: str | os.PathLike[str], seed: int = 0) -> dict[str, Path]:
     """Build the base pipeline, its ControlNet and a LoRA under ``out_root``; skip what is built."""
     root = Path(out_root)
-    base = _build_folder(root / BASE, "pipeline", seed, lambda tmp: sd3_pipeline(seed).save_pretrained(tmp))
-    controlnet = _build_folder(
-        root / CONTROLNET, "controlnet", seed, lambda tmp: sd3_controlnet(seed).save_pretrained(tmp)
+    base = build_folder(
+        root / BASE, manifest_for("pipeline", seed), lambda tmp: sd3_pipeline(seed).save_pretrained(tmp)
+    )
+    controlnet = build_folder(
+        root / CONTROLNET,
+        manifest_for("controlnet", seed),
+        lambda tmp: sd3_controlnet(seed).save_pretrained(tmp),
     )
     lora = build_lora(base, root / LORA_FILE, seed=seed)
     return {BASE: base, CONTROLNET: controlnet, LORA: lora}
