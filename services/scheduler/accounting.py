@@ -67,12 +67,13 @@ class Accounts:
         acct = self[tenant]
         acct.requests = max(0, acct.requests - 1)
 
-    def lift(self, tenant: str, floor: float) -> ChargeVTime | None:
+    def lift(self, tenant: str, vtime: float) -> ChargeVTime | None:
+        """Set a joining tenant's vTime (the policy's lift, which may also trim excess credit)."""
         acct = self[tenant]
-        if floor <= acct.vtime:
+        if vtime == acct.vtime:
             return None
-        acct.vtime = floor
-        return ChargeVTime(tenant, floor=floor)
+        acct.vtime = vtime
+        return ChargeVTime(tenant, set_vtime=vtime)
 
     def lift_ops(self, tenant: str, floor: int) -> ChargeVTime | None:
         acct = self[tenant]

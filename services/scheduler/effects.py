@@ -50,14 +50,14 @@ class Finished:
 class ChargeVTime:
     """Change a tenant's counters in Redis, atomically (one Lua script; paper §6 accounting).
 
-    ``floor`` lifts the vTime to at least that value first (Algorithm 1's lift); ``delta`` is then
+    ``set_vtime`` sets the vTime first (a joining tenant's lift, Algorithm 1); ``delta`` is then
     added (an estimate at dispatch, measured − estimate on completion); ``service_s`` accumulates
     measured GPU time only (what fairness is judged by); ``ops`` counts dispatched ModelFns (VTC).
     """
 
     tenant: str
     delta: float = 0.0
-    floor: float | None = None
+    set_vtime: float | None = None
     ops: int = 0
     op_floor: int | None = None
     service_s: float = 0.0

@@ -46,30 +46,40 @@ def sjf(snapshot: Snapshot) -> Decision:
 
 
 def vtime_lifts(snapshot: Snapshot, slack_s: float = 0.0) -> dict[str, float]:
-    """Algorithm 1, lines 2–3: a new or returning tenant with ready work starts at the minimum vTime
-    of the tenants already active, so past absence is not banked as priority. A lift never lowers
-    a tenant's vTime (a heavy user cannot shed its history by pausing).
+    """Algorithm 1, lines 2–3, for DAG workloads: the vTime of a tenant that *joins* the tenants
+    with ready work waiting, whether it is new, returning after inactivity, or rejoining after all
+    its work was running or blocked on predecessors.
 
-    Refinement for DAGs: a tenant that still has requests in progress but had no ready work waiting
-    (everything running or blocked on predecessors) could not use the executors others used
-    meanwhile; when it rejoins with ready work it keeps at most ``slack_s`` of credit over the
-    least-served tenant that stayed waiting. Without this, credit banked while blocked lets it
-    out-receive a continuously backlogged tenant by more than 2(Δ + L_max) later; with it the
-    paper's bound holds for every interval in which both are eligible-backlogged (§6).
+    The paper lifts a new or returning tenant to the minimum vTime of the active tenants, so that
+    past absence is not banked as priority. Generalised:
+
+    * With eligible tenants E (ready work that waited since the last round), a joiner's vTime is
+      brought into [min(E), min(E) + Δ]. It keeps no credit, because it was not competing for
+      what others got meanwhile. It also carries at most Δ of excess service, because what it
+      received while nobody else was waiting took nothing from anyone.
+    * With none (everyone joins at once), the joiners are lifted to within Δ of the most-served
+      joiner.
+
+    Eligible tenants stay within Δ + L_max of each other under Layer 1. Joiners placed this way
+    start within Δ + L_max of every one of them, which makes the bound of §6 hold for every
+    interval in which two tenants are eligible-backlogged. Lifting only up, or only against the
+    continuously waiting tenants, does not: ``tests/unit/test_fairness_bound.py`` has the
+    counterexamples hypothesis found.
     """
     ready = {n.tenant for n in snapshot.ready}
     tenants = snapshot.tenants
+    eligible = [t.vtime for n, t in tenants.items() if n in ready and not t.returning and not t.rejoining]
+    joining = {n: t for n, t in tenants.items() if n in ready and (t.returning or t.rejoining)}
     lifts: dict[str, float] = {}
-    settled = [t.vtime for t in tenants.values() if t.active and not t.returning]
-    if settled:
-        floor = min(settled)
-        lifts = {n: floor for n, t in tenants.items() if t.returning and n in ready and t.vtime < floor}
-    waiting = [t.vtime for n, t in tenants.items() if n in ready and not t.returning and not t.rejoining]
-    if waiting:
-        floor = min(waiting) - slack_s
-        for n, t in tenants.items():
-            if t.rejoining and n in ready and t.vtime < floor:
-                lifts[n] = floor
+    if eligible:
+        lo = min(eligible)
+        for name, t in joining.items():
+            v = min(max(t.vtime, lo), lo + slack_s)
+            if v != t.vtime:
+                lifts[name] = v
+    elif joining:
+        floor = max(t.vtime for t in joining.values()) - slack_s
+        lifts = {name: floor for name, t in joining.items() if t.vtime < floor}
     return lifts
 
 

@@ -70,7 +70,7 @@ class Assignment:
 
 @dataclass(frozen=True, slots=True)
 class Decision:
-    """A policy's answer: dispatches in order, and vTime lifts (tenant -> new floor)."""
+    """A policy's answer: dispatches in order, and vTime lifts (tenant -> its new vTime)."""
 
     assignments: list[Assignment] = field(default_factory=list)
     lifts: dict[str, float] = field(default_factory=dict)

@@ -271,9 +271,10 @@ class SchedulerCore:
             return []
         decision = self.policy(snap)
         effects: list[Effect] = []
-        for tenant, floor in decision.lifts.items():
-            if (lifted := self.accounts.lift(tenant, floor)) is not None:
-                log.info("vTime lift: tenant %s starts at %.3fs (the active minimum)", tenant, floor)
+        for tenant, vtime in decision.lifts.items():
+            before = self.accounts[tenant].vtime
+            if (lifted := self.accounts.lift(tenant, vtime)) is not None:
+                log.info("vTime lift: tenant %s joins at %.3fs (was %.3fs)", tenant, vtime, before)
                 effects.append(lifted)
         for tenant, op_floor in decision.op_lifts.items():
             if (lifted := self.accounts.lift_ops(tenant, op_floor)) is not None:

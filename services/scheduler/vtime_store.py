@@ -12,11 +12,11 @@ from redis.asyncio import Redis
 from libs.protocol.keys import Keys
 from services.scheduler.effects import ChargeVTime
 
-# KEYS: vtime, ops, service hashes. ARGV: tenant, delta, floor|'', ops delta, op floor|'', service delta.
+# KEYS: vtime, ops, service hashes. ARGV: tenant, delta, set vtime|'', ops delta, op floor|'', service delta.
 _CHARGE = """
 local t = ARGV[1]
 local v = tonumber(redis.call('HGET', KEYS[1], t) or '0')
-if ARGV[3] ~= '' then v = math.max(v, tonumber(ARGV[3])) end
+if ARGV[3] ~= '' then v = tonumber(ARGV[3]) end
 v = v + tonumber(ARGV[2])
 local vs = string.format('%.17g', v)
 redis.call('HSET', KEYS[1], t, vs)
@@ -45,7 +45,7 @@ class VTimeStore:
             args=[
                 c.tenant,
                 repr(float(c.delta)),
-                "" if c.floor is None else repr(float(c.floor)),
+                "" if c.set_vtime is None else repr(float(c.set_vtime)),
                 str(int(c.ops)),
                 "" if c.op_floor is None else str(int(c.op_floor)),
                 repr(float(c.service_s)),

@@ -100,11 +100,14 @@ def simulate(policy: Policy, arrivals: list[Arrival], executors: int) -> Trace:
 
         trace.samples.append(_sample(now, vt, core, waiting, joining))
         effects = core.schedule(now)
-        joining = {t: False for t in tenants}  # lifts come first in a round: the rest is after them
+        # A round's lifts come first; joiners count as eligible once all of them are applied.
+        lifts = [e for e in effects if isinstance(e, ChargeVTime) and e.set_vtime is not None]
+        for eff in lifts:
+            vt[eff.tenant] = eff.set_vtime
+        joining = {t: False for t in tenants}
+        trace.samples.append(_sample(now, vt, core, waiting, joining))
         for eff in effects:
-            if isinstance(eff, ChargeVTime):
-                if eff.floor is not None:
-                    vt[eff.tenant] = max(vt[eff.tenant], eff.floor)
+            if isinstance(eff, ChargeVTime) and eff.set_vtime is None:
                 vt[eff.tenant] += eff.delta
                 trace.samples.append(_sample(now, vt, core, waiting, joining))
             elif isinstance(eff, SendDispatch):

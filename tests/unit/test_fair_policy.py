@@ -45,21 +45,28 @@ def snap(ready, idle, tenants, now: float = 10.0) -> Snapshot:
 
 
 # -- vTime lift ---------------------------------------------------------------------------------------
-def test_a_returning_tenant_is_lifted_to_the_minimum_vtime_of_the_active_tenants():
+def test_a_joining_tenant_is_placed_between_the_least_served_eligible_tenant_and_delta_above_it():
     tenants = {
         "a": TenantView(vtime=50.0),
-        "b": TenantView(vtime=30.0),
-        "new": TenantView(vtime=0.0, returning=True),
-        "heavy_back": TenantView(vtime=90.0, returning=True),
+        "b": TenantView(vtime=30.0),  # active, but no ready work: not eligible, not a reference
+        "new": TenantView(vtime=0.0, returning=True),  # stale low vTime: no banked priority
+        "back_heavy": TenantView(vtime=90.0, returning=True),  # got 40 s while nobody else waited
+        "rejoin": TenantView(vtime=52.0, rejoining=True),  # within [50, 55]: left as it is
+        "idle": TenantView(vtime=0.0, returning=True),  # no ready work: not joining yet
     }
-    ready = [node("r1/1/x", "new"), node("r2/1/x", "heavy_back"), node("r3/1/x", "a")]
-    assert vtime_lifts(snap(ready, [ex("e")], tenants)) == {"new": 30.0}  # never lowered: heavy_back keeps 90
+    ready = [node(f"r{i}/1/x", t) for i, t in enumerate(("a", "new", "back_heavy", "rejoin"))]
+    assert vtime_lifts(snap(ready, [ex("e")], tenants), slack_s=5.0) == {"new": 50.0, "back_heavy": 55.0}
 
 
-def test_no_lift_without_settled_active_tenants_or_ready_work():
-    assert vtime_lifts(snap([node("r/1/x", "n")], [ex("e")], {"n": TenantView(0.0, returning=True)})) == {}
-    tenants = {"a": TenantView(vtime=5.0), "idle_new": TenantView(vtime=0.0, returning=True)}
-    assert vtime_lifts(snap([node("r/1/x", "a")], [ex("e")], tenants)) == {}
+def test_tenants_joining_together_with_nobody_waiting_are_lifted_within_delta_of_the_most_served():
+    tenants = {
+        "f": TenantView(vtime=15.0, rejoining=True),
+        "g": TenantView(vtime=4.0, rejoining=True),
+        "h": TenantView(vtime=13.0, returning=True),
+    }
+    ready = [node("f/1/x", "f"), node("g/1/x", "g"), node("h/1/x", "h")]
+    assert vtime_lifts(snap(ready, [ex("e")], tenants), slack_s=1.0) == {"g": 14.0, "h": 14.0}
+    assert vtime_lifts(snap(ready[:1], [ex("e")], {"f": TenantView(vtime=3.0, returning=True)})) == {}
 
 
 def test_the_fair_policy_applies_the_lift_before_comparing_tenants():
@@ -248,7 +255,7 @@ def test_a_tenant_returning_after_inactivity_is_lifted_in_the_core():
     assert core.accounts["old"].returning and core.accounts["old"].vtime == 1.0
     effects = core.on_complete(done(d, total_s=1.5), 1.0)  # busy: 40 + 1.5 measured
     effects = core.schedule(1.0)  # Algorithm 1 runs when an executor is idle: lift, then dispatch
-    assert ChargeVTime("old", floor=41.5) in effects
+    assert ChargeVTime("old", set_vtime=41.5) in effects
     (d2,) = [e for e in effects if isinstance(e, SendDispatch)]
     assert d2.msg.request_id == "o1"  # at 41.5 = busy's 41.5, and its node waited longer
     assert not core.accounts["old"].returning
