@@ -31,7 +31,7 @@ def workloads(draw):
     return sorted(arrivals, key=lambda a: (a.at, a.tenant))
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     arrivals=workloads(),
     executors=st.integers(min_value=1, max_value=4),
