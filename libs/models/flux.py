@@ -72,9 +72,10 @@ as the pipeline's CPU generator draws the noise there.
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, Any
 
+from libs.models.common import config_dtype as _config_dtype
+from libs.models.common import device as _device
 from libs.models.lazy import LazyList
 from libs.models.lora import LoraSwitch
 from libs.workflow.modelfn import ModelFn
@@ -84,23 +85,6 @@ if TYPE_CHECKING:
 
 
 # -- helpers mirroring FluxPipeline's module functions and static methods --------------------------
-
-
-def _device() -> torch.device:
-    import torch
-
-    return torch.device(os.environ.get("T2I_DEVICE", "cpu"))
-
-
-def _config_dtype(model_path: str, subfolder: str) -> torch.dtype:
-    """The dtype ``from_pretrained`` gives a transformers model: the one saved in its config."""
-    import torch
-    from transformers import AutoConfig
-
-    dtype = AutoConfig.from_pretrained(model_path, subfolder=subfolder).dtype
-    if isinstance(dtype, str):  # older configs spell it as a string
-        dtype = getattr(torch, dtype)
-    return dtype if isinstance(dtype, torch.dtype) else torch.float32
 
 
 def _vae_scale_factor(vae_config: dict[str, Any]) -> int:

@@ -78,10 +78,10 @@ them. The device is ``$T2I_DEVICE`` (default ``cpu``).
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from libs.models.common import device as _device
 from libs.workflow.modelfn import ModelFn
 
 if TYPE_CHECKING:
@@ -89,12 +89,6 @@ if TYPE_CHECKING:
 
 
 # -- helpers -------------------------------------------------------------------------------------
-
-
-def _device() -> torch.device:
-    import torch
-
-    return torch.device(os.environ.get("T2I_DEVICE", "cpu"))
 
 
 def _component_class(model_path: str, name: str) -> Any:

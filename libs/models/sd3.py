@@ -60,34 +60,14 @@ This module imports no torch, diffusers or transformers at import time: the regi
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from libs.models.common import config_dtype as _config_dtype
+from libs.models.common import device as _device
 from libs.workflow.modelfn import ModelFn
 
-if TYPE_CHECKING:
-    import torch
-
-
 # -- helpers ---------------------------------------------------------------------------------------
-
-
-def _device() -> torch.device:
-    import torch
-
-    return torch.device(os.environ.get("T2I_DEVICE", "cpu"))
-
-
-def _config_dtype(model_path: str, subfolder: str) -> torch.dtype:
-    """The dtype ``from_pretrained`` gives a transformers model: the one saved in its config."""
-    import torch
-    from transformers import AutoConfig
-
-    dtype = AutoConfig.from_pretrained(model_path, subfolder=subfolder).dtype
-    if isinstance(dtype, str):  # older configs spell it as a string
-        dtype = getattr(torch, dtype)
-    return dtype if isinstance(dtype, torch.dtype) else torch.float32
 
 
 def _has_component(model_path: str, name: str) -> bool:
