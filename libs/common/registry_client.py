@@ -8,6 +8,8 @@ from nats.aio.client import Client
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
+from libs.errors import RetryableError, T2IError
+
 from libs.protocol.messages import (
     GetLora,
     GetWorkflow,
@@ -24,14 +26,11 @@ from libs.protocol.subjects import Subjects
 from libs.workflow.spec import WorkflowSpec, decode_spec
 
 
-class RegistryUnavailable(RuntimeError):
+class RegistryUnavailable(RetryableError, RuntimeError):
     """No registry answered; retrying later can help."""
 
-    retryable = True
 
-
-class WorkflowNotFound(LookupError):
-    retryable = False
+class WorkflowNotFound(T2IError, LookupError):
 
     def __init__(self, name: str, version: int = 0) -> None:
         self.name = name

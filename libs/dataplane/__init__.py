@@ -19,12 +19,12 @@ from libs.dataplane.buddy import BuddyAllocator
 from libs.dataplane.errors import (
     ArenaClosedError,
     ArenaFullError,
-    BadTensorMetaError,
     DataPlaneError,
     TensorNotFoundError,
     TransportError,
 )
-from libs.dataplane.meta import DTYPE_SIZES, TensorMeta, check_meta, decode_meta, encode_meta
+from libs.protocol.errors import BadTensorMetaError
+from libs.protocol.tensor_meta import DTYPE_SIZES, TensorMeta, check_meta, decode_meta, encode_meta
 from libs.dataplane.transport import ShmTransport, TcpTransport, Transport, make_transport
 
 __all__ = [

@@ -31,6 +31,7 @@ from types import TracebackType
 
 from libs.dataplane.buddy import BuddyAllocator
 from libs.dataplane.errors import ArenaClosedError, ArenaFullError, DataPlaneError
+from libs.errors import is_retryable
 
 log = logging.getLogger(__name__)
 
@@ -198,7 +199,7 @@ class Arena:
             try:
                 return self._alloc.alloc(nbytes)
             except ArenaFullError as exc:
-                if not exc.retryable or timeout is None or timeout <= 0:
+                if not is_retryable(exc) or timeout is None or timeout <= 0:
                     raise
             # Wait for frees. Any free may merge into a block that fits, so waiters re-try on
             # every notification (a free wakes all of them: their sizes differ). No FIFO order:

@@ -1,16 +1,16 @@
 """Errors of the data plane (paper §5.2).
 
 Each error carries its data as attributes and says whether retrying can help
-(``retryable``), so callers decide between "wait and try again" and "fail the request".
+(``libs.errors.is_retryable``), so callers decide between "wait and try again" and "fail the request".
 """
 
 from __future__ import annotations
 
+from libs.errors import RetryableError, T2IError
 
-class DataPlaneError(Exception):
-    """Base of every data-plane error. ``retryable`` says whether the same call may succeed later."""
 
-    retryable: bool = False
+class DataPlaneError(T2IError):
+    """Base of every data-plane error."""
 
 
 class ArenaFullError(DataPlaneError):
@@ -49,13 +49,11 @@ class TensorNotFoundError(DataPlaneError):
         super().__init__(f"tensor {tensor_id!r} is not held by this store")
 
 
-class TransportError(DataPlaneError):
+class TransportError(DataPlaneError, RetryableError):
     """Pulling bytes from a peer failed (peer gone, connection lost, out-of-bounds request).
 
     Retryable: the peer may come back, or the scheduler may re-execute the producer.
     """
-
-    retryable = True
 
     def __init__(self, address: str, reason: str) -> None:
         self.address = address
@@ -63,10 +61,3 @@ class TransportError(DataPlaneError):
         super().__init__(f"transport to {address!r} failed: {reason}")
 
 
-class BadTensorMetaError(DataPlaneError):
-    """Tensor metadata that arrived off the bus is malformed; ``field`` names the culprit."""
-
-    def __init__(self, field: str, reason: str) -> None:
-        self.field = field
-        self.reason = reason
-        super().__init__(f"bad tensor metadata: {field}: {reason}")

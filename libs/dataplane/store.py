@@ -28,8 +28,9 @@ from typing import Any
 
 import torch
 
-from libs.dataplane.errors import BadTensorMetaError, TensorNotFoundError
-from libs.dataplane.meta import DTYPE_SIZES, TensorMeta, check_meta
+from libs.dataplane.errors import TensorNotFoundError
+from libs.protocol.errors import BadTensorMetaError
+from libs.protocol.tensor_meta import DTYPE_SIZES, TensorMeta, check_meta
 from libs.dataplane.transport.base import Transport
 
 _DTYPES: dict[str, torch.dtype] = {

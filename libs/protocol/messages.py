@@ -1,6 +1,6 @@
 """Every message on the bus, as msgspec structs grouped into one tagged union per subject.
 
-Conventions (CONVENTIONS.md, msgspec's schema-evolution rules): new fields always get defaults;
+Conventions (docs/conventions.md, msgspec's schema-evolution rules): new fields always get defaults;
 wire messages tolerate unknown fields so services of adjacent versions interoperate; tensor
 *metadata* travels in messages, tensor and image *bytes* never do (NATS' 1 MiB payload limit).
 Each subject's union is decoded by one ``Decoder`` built at import and dispatched with ``match``.
@@ -12,7 +12,8 @@ from typing import Literal
 
 import msgspec
 
-from libs.dataplane.meta import TensorMeta
+from libs.protocol.ids import NodeRef
+from libs.protocol.tensor_meta import TensorMeta
 
 Scalar = int | float | str | bool | None
 
@@ -96,8 +97,8 @@ class Dispatch(_Msg, tag="dispatch"):
     callbacks: list[str] = []
 
     @property
-    def key(self) -> str:
-        return node_key(self.request_id, self.attempt, self.node_id)
+    def ref(self) -> NodeRef:
+        return NodeRef(self.request_id, self.attempt, self.node_id)
 
 
 class ReleaseTensors(_Msg, tag="release_tensors"):
@@ -170,8 +171,8 @@ class NodeComplete(_Msg, tag="node_complete"):
     bytes_in: int = 0  # bytes pulled from other executors
 
     @property
-    def key(self) -> str:
-        return node_key(self.request_id, self.attempt, self.node_id)
+    def ref(self) -> NodeRef:
+        return NodeRef(self.request_id, self.attempt, self.node_id)
 
 
 class NodeFailed(_Msg, tag="node_failed"):
@@ -184,8 +185,8 @@ class NodeFailed(_Msg, tag="node_failed"):
     unreachable: str = ""  # a producer whose tensor could not be read (evidence it is gone)
 
     @property
-    def key(self) -> str:
-        return node_key(self.request_id, self.attempt, self.node_id)
+    def ref(self) -> NodeRef:
+        return NodeRef(self.request_id, self.attempt, self.node_id)
 
 
 class ExecutorHeartbeat(_Msg, tag="heartbeat"):
@@ -196,8 +197,8 @@ class ExecutorHeartbeat(_Msg, tag="heartbeat"):
     transport: str
     address: str
     fns: list[str]  # ModelFn names this executor can run
-    resident: list[str] = []  # "fn|model" keys whose model is loaded
-    running: list[str] = []  # node keys in progress
+    resident: list[str] = []  # encoded ModelKeys (libs.protocol.ids) whose model is loaded
+    running: list[str] = []  # encoded NodeRefs (libs.protocol.ids) in progress
     arena_capacity: int = 0
     arena_free: int = 0
     started_at: float = 0.0
@@ -289,14 +290,6 @@ class RegistryReply(_Msg, tag="registry_reply"):
     problems: list[Problem] = []
     created: bool = False
     loras: list[LoraInfo] = []
-
-
-def node_key(request_id: str, attempt: int, node_id: str) -> str:
-    return f"{request_id}/{attempt}/{node_id}"
-
-
-def tensor_id(request_id: str, attempt: int, node_id: str, output: str) -> str:
-    return f"{request_id}/{attempt}/{node_id}/{output}"
 
 
 # Decoders, built once (msgspec's asyncio-kv example).

@@ -12,14 +12,14 @@ import logging
 from functools import lru_cache
 from importlib.metadata import entry_points
 
+from libs.errors import T2IError
 from libs.workflow.modelfn import ModelFn, Signature
 
 GROUP = "serverless_t2i.modelfns"
 log = logging.getLogger(__name__)
 
 
-class UnknownModelFn(LookupError):
-    retryable = False
+class UnknownModelFn(T2IError, LookupError):
 
     def __init__(self, name: str) -> None:
         self.name = name

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from libs.errors import T2IError
 
-class CompositionError(ValueError):
+
+class CompositionError(T2IError, ValueError):
     """A workflow being composed in Python is malformed (raised at composition time)."""
 
 
@@ -20,23 +22,19 @@ class Problem:
         return f"{self.path}: {self.message}"
 
 
-class SpecError(ValueError):
+class SpecError(T2IError, ValueError):
     """A workflow spec failed validation. Carries every problem found, each naming its field.
 
     Never retryable: the same spec fails the same way.
     """
-
-    retryable = False
 
     def __init__(self, problems: list[Problem]) -> None:
         self.problems = problems
         super().__init__("; ".join(str(p) for p in problems))
 
 
-class ParamError(ValueError):
+class ParamError(T2IError, ValueError):
     """A request's workflow parameters do not match the spec (``field`` names the parameter)."""
-
-    retryable = False
 
     def __init__(self, field: str, message: str) -> None:
         self.field = field

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from libs.dataplane.meta import TensorMeta
+from libs.errors import T2IError
+from libs.protocol.tensor_meta import TensorMeta
 from libs.protocol.messages import NodeTiming
 
 
-class NodeError(Exception):
+class NodeError(T2IError):
     """A node failed; ``retryable`` says whether running it again (anywhere) can help."""
 
     def __init__(self, message: str, retryable: bool = False, unreachable: str = "") -> None:

@@ -25,7 +25,7 @@ import torch
 
 from libs.common.paths import resolve_model_path
 from libs.dataplane.errors import DataPlaneError, TransportError
-from libs.dataplane.meta import TensorMeta, check_meta
+from libs.protocol.tensor_meta import TensorMeta, check_meta
 from libs.dataplane.store import TensorStore
 from libs.protocol.messages import (
     ConstInput,

@@ -28,7 +28,7 @@ from typing import Any
 
 from libs.dataplane.buddy import BuddyAllocator
 from libs.dataplane.errors import ArenaFullError
-from libs.dataplane.meta import TensorMeta
+from libs.protocol.tensor_meta import TensorMeta
 from libs.protocol.messages import Dispatch, NodeTiming, TensorInput, TensorListInput, tensor_id
 from libs.sim.profile import Profile
 from services.executor.callbacks import CallbackBox

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from libs.dataplane.meta import TensorMeta
+from libs.protocol.tensor_meta import TensorMeta
 from libs.protocol.messages import CallbackReady, Dispatch, RequestResult
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from libs.dataplane.meta import TensorMeta
+from libs.protocol.tensor_meta import TensorMeta
 from libs.protocol.messages import ImageRef, ImageRequest
 from libs.workflow.dag import Dag, TensorSource
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 
-from libs.dataplane.meta import TensorMeta
+from libs.protocol.tensor_meta import TensorMeta
 from libs.protocol.messages import (
     CallbackReady,
     ConstInput,

@@ -19,7 +19,7 @@ import torch
 
 from libs.dataplane.arena import segment_exists, segment_name
 from libs.dataplane.errors import TransportError
-from libs.dataplane.meta import TensorMeta, decode_meta, encode_meta
+from libs.protocol.tensor_meta import TensorMeta, decode_meta, encode_meta
 from libs.dataplane.store import TensorStore
 from libs.dataplane.transport import ShmTransport, TcpTransport, Transport
 from libs.dataplane.transport.tcp import REPLY, REQUEST, REQUEST_MAGIC, STATUS_BAD_REQUEST, STATUS_OK, VERSION
@@ -140,7 +140,7 @@ def test_a_tensor_put_by_another_process_is_pulled_bitwise_and_freed_after_relea
 
 _CONSUMER_SCRIPT = """
 import hashlib, sys
-from libs.dataplane.meta import decode_meta
+from libs.protocol.tensor_meta import decode_meta
 from libs.dataplane.store import TensorStore
 from libs.dataplane.transport import ShmTransport
 meta = decode_meta(sys.stdin.buffer.read())

@@ -12,7 +12,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
-from libs.dataplane.meta import TensorMeta
+from libs.protocol.tensor_meta import TensorMeta
 from libs.protocol.messages import ExecutorHeartbeat, ImageRef, ImageRequest, NodeComplete, NodeTiming
 from libs.workflow.dag import Dag, DagNode, TensorSource
 from services.scheduler.effects import ChargeVTime, SendDispatch

@@ -214,7 +214,7 @@ def test_a_free_from_another_thread_frees_at_once(arena: Arena) -> None:
 def test_the_data_plane_package_and_its_metadata_import_without_torch() -> None:
     # The gateway and scheduler import these; torch must stay out of their processes.
     code = (
-        "import sys, libs.dataplane, libs.dataplane.meta, libs.dataplane.transport.nvshmem; "
+        "import sys, libs.dataplane, libs.protocol.tensor_meta, libs.dataplane.transport.nvshmem; "
         "sys.exit('torch' in sys.modules)"
     )
     done = subprocess.run(

@@ -175,7 +175,7 @@ def chain(n: int, fn: str = "f.a") -> Dag:
 
 
 def done(d: SendDispatch, total_s: float, load_s: float = 0.0) -> NodeComplete:
-    from libs.dataplane.meta import TensorMeta
+    from libs.protocol.tensor_meta import TensorMeta
     from libs.protocol.messages import ImageRef
 
     m = d.msg

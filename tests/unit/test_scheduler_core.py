@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from libs.dataplane.meta import TensorMeta
+from libs.protocol.tensor_meta import TensorMeta
 from libs.protocol.messages import (
     ConstInput,
     ExecutorHeartbeat,

@@ -21,7 +21,7 @@ from libs.dataplane.errors import (
     TensorNotFoundError,
     TransportError,
 )
-from libs.dataplane.meta import TensorMeta, check_meta, decode_meta, encode_meta
+from libs.protocol.tensor_meta import TensorMeta, check_meta, decode_meta, encode_meta
 from libs.dataplane.store import TensorStore, dtype_name, torch_dtype
 from libs.dataplane.transport import ShmTransport, TcpTransport, Transport, make_transport
 

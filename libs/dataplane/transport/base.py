@@ -12,8 +12,8 @@ import abc
 from types import TracebackType
 
 from libs.dataplane.arena import Arena
-from libs.dataplane.errors import BadTensorMetaError
-from libs.dataplane.meta import TensorMeta
+from libs.protocol.errors import BadTensorMetaError
+from libs.protocol.tensor_meta import TensorMeta
 
 #: Copies are split into chunks of this size so a multi-hundred-MiB pull gives other Python
 #: threads (the executor's asyncio loop) a chance to run between chunks.

@@ -25,7 +25,7 @@ from typing import Any
 
 from libs.dataplane.arena import Arena
 from libs.dataplane.errors import ArenaClosedError, DataPlaneError, TransportError
-from libs.dataplane.meta import TensorMeta
+from libs.protocol.tensor_meta import TensorMeta
 from libs.dataplane.transport.base import Transport
 
 #: Headroom added to NVSHMEM_SYMMETRIC_SIZE beyond the arena (NVSHMEM's own symmetric objects).

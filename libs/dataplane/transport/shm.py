@@ -13,7 +13,7 @@ from collections import OrderedDict
 
 from libs.dataplane.arena import Segment, ShmArena, segment_name
 from libs.dataplane.errors import DataPlaneError, TransportError
-from libs.dataplane.meta import TensorMeta
+from libs.protocol.tensor_meta import TensorMeta
 from libs.dataplane.transport.base import Transport, copy_bytes
 
 

@@ -23,7 +23,7 @@ from collections import defaultdict
 
 from libs.dataplane.arena import HeapArena
 from libs.dataplane.errors import DataPlaneError, TransportError
-from libs.dataplane.meta import TensorMeta
+from libs.protocol.tensor_meta import TensorMeta
 from libs.dataplane.transport.base import Transport
 
 log = logging.getLogger(__name__)

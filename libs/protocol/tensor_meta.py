@@ -10,7 +10,7 @@ import math
 
 import msgspec
 
-from libs.dataplane.errors import BadTensorMetaError
+from libs.protocol.errors import BadTensorMetaError
 
 #: Transports a consumer may be asked to pull over.
 TRANSPORTS = frozenset({"shm", "tcp", "nvshmem"})
