@@ -35,6 +35,7 @@ test: install brokers
 lint: install
 	$(BIN)/ruff check libs services tests bench
 	$(BIN)/ruff format --check libs services tests bench
+	$(BIN)/lint-imports
 
 bench: install brokers
 	$(BIN)/python bench/overhead.py

@@ -1,6 +1,6 @@
 """Connecting to NATS the way every service needs it.
 
-nats-py does not retry a *first* connect (NOTES-substrate.md), so :func:`connect` loops until the
+nats-py does not retry a *first* connect (``nats.connect`` raises at once; see docs/substrate.md), so :func:`connect` loops until the
 server answers or ``timeout`` passes; once connected the client reconnects forever.
 """
 

@@ -1,6 +1,6 @@
 """Running a service until SIGINT/SIGTERM, or until one of its long-lived tasks dies.
 
-CONVENTIONS.md: inside a loop tick, log and carry on; at service level, fail fast — if a
+Two failure boundaries (docs/conventions.md): inside a loop tick, log and carry on; at service level, fail fast — if a
 long-lived task dies, shut down cleanly and exit non-zero so the supervisor restarts the service.
 """
 

@@ -6,8 +6,9 @@ server never see each other's traffic.
 | name | kind | carries |
 |---|---|---|
 | ``{ns}.intake`` | JetStream work queue ``{NS}_INTAKE`` | ``ImageRequest`` gateway -> scheduler |
-| ``{ns}.registry.{register,get,list}`` | request/reply | ``RegistryRequest`` -> ``RegistryReply`` |
-| ``{ns}.exec.{executor_id}`` | request/reply | ``Dispatch``, ``ReleaseTensors``, ``ReleaseRequest`` -> ``Ack`` |
+| ``{ns}.registry.{register,get,list}`` | request/reply, queue group ``registry`` | ``RegisterWorkflow``, ``GetWorkflow``, ``ListWorkflows`` -> ``RegistryReply`` |
+| ``{ns}.registry.lora`` | request/reply, queue group ``registry`` | ``RegisterLora``, ``GetLora``, ``ListLoras`` -> ``RegistryReply`` |
+| ``{ns}.exec.{executor_id}`` | request/reply | ``Dispatch`` -> ``Ack``; pub/sub: ``ReleaseTensors``, ``ReleaseRequest``, ``CallbackReady`` |
 | ``{ns}.exec.all`` | pub/sub | ``ReleaseRequest`` broadcast (request failed or restarted) |
 | ``{ns}.sched.events`` | pub/sub | ``NodeComplete``, ``NodeFailed``, ``ExecutorHeartbeat``, ``ExecutorGoodbye`` |
 | ``{ns}.results.{request_id}`` | pub/sub | ``RequestResult`` scheduler -> gateway |
@@ -17,6 +18,9 @@ server never see each other's traffic.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+#: The registry's request/reply operations, each its own subject.
+REGISTRY_OPS = ("register", "get", "list", "lora")
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,8 @@ class Subjects:
         return "scheduler"
 
     def registry(self, op: str) -> str:
+        if op not in REGISTRY_OPS:
+            raise ValueError(f"unknown registry operation {op!r}; one of {REGISTRY_OPS}")
         return f"{self.ns}.registry.{op}"
 
     def executor(self, executor_id: str) -> str:

@@ -1,7 +1,7 @@
 """Profiles for simulated executors: per-model load and compute times, each number with its source.
 
 A profile is JSON. Every figure is ``{"value": 0.235, "tag": "M", "source": "..."}`` where the tag
-says how it was obtained (``../shared/NOTES-profiles.md``): **M** measured in a public source,
+says how it was obtained (``docs/profiles.md`` lists the figures and their sources): **M** measured in a public source,
 **D** derived (the source says how), **P** chosen to match a ratio the paper states. Models are
 keyed by the ``model`` reference workflow specs use, so a spec written for simulation names the
 same models a real deployment would load.

@@ -29,17 +29,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from libs.workflow.errors import CompositionError
-from libs.workflow.modelfn import IDENT, ModelFn
+from libs.workflow.modelfn import IDENT, RECORDER, ModelFn
 from libs.workflow.spec import REF_PARAM, REF_VAR, LoopSpec, NodeSpec, Op, ParamSpec, Scalar, WorkflowSpec
-
-_current: contextvars.ContextVar[Workflow | None] = contextvars.ContextVar("t2i_workflow", default=None)
-
-
-def current_workflow() -> Workflow:
-    wf = _current.get()
-    if wf is None:
-        raise CompositionError("a ModelFn is called outside `with Workflow(...)`: nothing to record it in")
-    return wf
 
 
 @dataclass(frozen=True)
@@ -102,12 +93,12 @@ class Workflow:
 
     # -- context ------------------------------------------------------------------------------
     def __enter__(self) -> Workflow:
-        self._token = _current.set(self)
+        self._token = RECORDER.set(self)
         return self
 
     def __exit__(self, *exc: object) -> None:
         assert self._token is not None
-        _current.reset(self._token)
+        RECORDER.reset(self._token)
         self._token = None
 
     # -- building -----------------------------------------------------------------------------

@@ -70,9 +70,6 @@ class Dag:
     successors: dict[str, list[str]] = field(default_factory=dict)  # via ordinary inputs
     cb_successors: dict[str, list[str]] = field(default_factory=dict)  # via callback inputs only
 
-    def roots(self) -> list[str]:
-        return [n.id for n in self.nodes.values() if not n.deps]
-
 
 def unroll(
     spec: WorkflowSpec,

@@ -19,12 +19,9 @@ from services.gateway.errors import ApiError, invalid
 
 # Fields of OpenAI's API that do not apply to these workflows; accepted so OpenAI clients work.
 IGNORED = {"user", "quality", "style"}
-EXTENSIONS = {
-    "seed": "seed",
-    "num_inference_steps": "num_inference_steps",
-    "guidance_scale": "guidance_scale",
-}
-TOP_LEVEL_PARAMS = {"prompt", "width", "height", *EXTENSIONS.values()}
+# Top-level fields beyond OpenAI's that set the workflow parameter of the same name.
+EXTENSIONS = ("seed", "num_inference_steps", "guidance_scale")
+TOP_LEVEL_PARAMS = {"prompt", "width", "height", *EXTENSIONS}
 KNOWN = {"model", "prompt", "n", "size", "response_format", "params", *IGNORED, *EXTENSIONS}
 RESPONSE_FORMATS = ("b64_json", "url")
 MAX_SEED = 2**63 - 1
@@ -32,7 +29,6 @@ MAX_SEED = 2**63 - 1
 
 @dataclass(frozen=True)
 class Generation:
-    workflow: str
     n: int
     response_format: str
     seeds: list[int | None]
@@ -90,11 +86,11 @@ def parse_generation(body: dict[str, Any], spec: WorkflowSpec, max_n: int) -> Ge
     elif size is not None:
         raise invalid("size", f"workflow {spec.name!r} has a fixed size; leave `size` out")
 
-    for field, pname in EXTENSIONS.items():
+    for field in EXTENSIONS:
         if field in body:
-            if pname not in spec.params:
-                raise invalid(field, f"workflow {spec.name!r} has no parameter {pname!r}")
-            params[pname] = body[field]
+            if field not in spec.params:
+                raise invalid(field, f"workflow {spec.name!r} has no parameter {field!r}")
+            params[field] = body[field]
     extra = body.get("params", {})
     if not isinstance(extra, dict):
         raise invalid("params", "must be an object of workflow parameters")
@@ -124,7 +120,7 @@ def parse_generation(body: dict[str, Any], spec: WorkflowSpec, max_n: int) -> Ge
         except ParamError as e:
             field = _field_for(e.field, body)
             raise invalid(field, e.message) from None
-    return Generation(workflow=spec.name, n=n, response_format=fmt, seeds=seeds, params=resolved)
+    return Generation(n=n, response_format=fmt, seeds=seeds, params=resolved)
 
 
 def _field_for(param: str, body: dict[str, Any]) -> str:

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
+from contextlib import AsyncExitStack
 
 from libs.common.config import load_config
 from libs.common.logs import setup_logging
 from libs.common.nats_conn import connect
 from libs.common.redis_conn import connect_redis
-from libs.common.runner import close_quietly, run_service
+from libs.common.service import main, own
 from libs.common.settings import common_settings
 from libs.protocol.keys import Keys
 from libs.protocol.subjects import Subjects
@@ -18,24 +18,18 @@ from services.registry.service import RegistryService
 from services.registry.store import WorkflowStore
 
 
-async def main() -> None:
+async def build(stack: AsyncExitStack) -> RegistryService:
     common = common_settings()
     load_config(RegistryConfig, "T2I_REGISTRY_")
-    log = setup_logging("registry", common.log_level)
+    setup_logging("registry", common.log_level)
     nc = await connect(common.nats_url, "registry")
+    own(stack, nc.drain, "nats")
     redis = connect_redis(common.redis_url)
-    service = RegistryService(
+    own(stack, redis.aclose, "redis")
+    return RegistryService(
         nc, WorkflowStore(redis, Keys(common.namespace)), catalog.signatures(), Subjects(common.namespace)
     )
-    await service.start()
-    log.info("registry ready (namespace %s)", common.namespace)
-    try:
-        await run_service()
-    finally:
-        await close_quietly(service.stop(), "service")
-        await close_quietly(nc.drain(), "nats")
-        await close_quietly(redis.aclose(), "redis")
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    main(build)

@@ -14,6 +14,7 @@ import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
+from libs.common.service import run_forever
 from libs.protocol.messages import (
     GetLora,
     GetWorkflow,
@@ -27,7 +28,7 @@ from libs.protocol.messages import (
     encode,
     registry_request_decoder,
 )
-from libs.protocol.subjects import Subjects
+from libs.protocol.subjects import REGISTRY_OPS, Subjects
 from libs.workflow.errors import SpecError
 from libs.workflow.modelfn import Signature
 from libs.workflow.spec import decode_spec, encode_spec
@@ -54,11 +55,19 @@ class RegistryService:
         self._subs: list = []
 
     async def start(self) -> None:
-        for op in ("register", "get", "list", "lora"):
+        for op in REGISTRY_OPS:
             self._subs.append(
                 await self.nc.subscribe(self.subjects.registry(op), queue="registry", cb=self._on_msg)
             )
-        log.info("registry serving %d ModelFns: %s", len(self.catalog), ", ".join(sorted(self.catalog)))
+        log.info(
+            "registry ready (%s): %d ModelFns: %s",
+            self.subjects.ns,
+            len(self.catalog),
+            ", ".join(sorted(self.catalog)),
+        )
+
+    async def run(self) -> None:
+        await run_forever()  # all work happens in the subscriptions' callbacks
 
     async def stop(self) -> None:
         for sub in self._subs:
