@@ -42,9 +42,9 @@ async def run_service(*tasks: Awaitable[None]) -> None:
             loop.remove_signal_handler(sig)
 
 
-async def close_quietly(aw: Awaitable[object], what: str, grace_s: float = STOP_GRACE_S) -> None:
+async def close_quietly(aw: Awaitable[object], what: str, grace_s: float | None = None) -> None:
     """Await a shutdown step (``nc.drain()``, ``redis.aclose()``) without letting it hang the exit."""
     try:
-        await asyncio.wait_for(aw, grace_s)
+        await asyncio.wait_for(aw, STOP_GRACE_S if grace_s is None else grace_s)
     except Exception as e:  # noqa: BLE001 - at exit, a failed close is only worth a line
         log.warning("closing %s: %s", what, e or type(e).__name__)
