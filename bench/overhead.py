@@ -44,8 +44,8 @@ def main() -> int:
     from diffusers import FluxPipeline
     from PIL import Image
 
-    from libs.models.tiny import build_flux
-    from libs.models.workflows import bench_flux
+    from libs.models.flux_workflows import bench_flux
+    from libs.models.tiny_flux import build_flux
     from libs.workflow.spec import encode_spec
     from tests.conftest import cleanup_namespace, free_port
 

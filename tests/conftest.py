@@ -96,7 +96,7 @@ def free_port() -> int:
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> Path:
     """The tiny-flux components, built once per session from configs with random weights."""
-    from libs.models.tiny import build_flux
+    from libs.models.tiny_flux import build_flux
 
     root = tmp_path_factory.mktemp("models")
     build_flux(root / "tiny-flux", preset="tiny")

@@ -31,7 +31,6 @@ class RegistryUnavailable(RetryableError, RuntimeError):
 
 
 class WorkflowNotFound(T2IError, LookupError):
-
     def __init__(self, name: str, version: int = 0) -> None:
         self.name = name
         self.version = version

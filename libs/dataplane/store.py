@@ -8,8 +8,9 @@ release to the producer, which frees the block when the count reaches zero.
 
 Lifetimes the caller must respect:
 
-* A producer's block is freed by the last ``release``: consumers must be done with their copy
-  (or with a zero-copy local view) before releasing.
+* A producer's block is freed by the last ``release`` (or at once by ``discard`` /
+  ``release_group``): consumers must be done with their copy (or with a zero-copy local view)
+  before releasing.
 * A pulled copy lives in the *consumer's* arena until ``Lease.close()``; after that the lease's
   tensor must not be used (the block is reused). A lease that is dropped without ``close()``
   frees its block once the lease and every tensor made from it are garbage (host arenas).
@@ -29,9 +30,9 @@ from typing import Any
 import torch
 
 from libs.dataplane.errors import TensorNotFoundError
+from libs.dataplane.transport.base import Transport
 from libs.protocol.errors import BadTensorMetaError
 from libs.protocol.tensor_meta import DTYPE_SIZES, TensorMeta, check_meta
-from libs.dataplane.transport.base import Transport
 
 _DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name) for name in DTYPE_SIZES if isinstance(getattr(torch, name, None), torch.dtype)
@@ -141,8 +142,8 @@ class Lease:
 class TensorStore:
     """Executor-side store of produced tensors over ``transport``'s arena. Thread-safe.
 
-    ``put`` may block (up to ``alloc_timeout`` seconds) waiting for space; ``release`` and
-    ``release_group`` never block on allocation, so an asyncio loop may call them while a
+    ``put`` may block (up to ``alloc_timeout`` seconds) waiting for space; ``release``, ``discard``
+    and ``release_group`` never block on allocation, so an asyncio loop may call them while a
     worker thread waits in ``put``/``open``.
     """
 
@@ -217,6 +218,20 @@ class TensorStore:
                 return False
             entry.refcount -= count
             if entry.refcount > 0:
+                return False
+            self._forget(tensor_id, entry)
+        self.transport.arena.free(entry.offset)
+        return True
+
+    def discard(self, tensor_id: str) -> bool:
+        """Free ``tensor_id`` now, whatever releases it still expects.
+
+        For outputs nobody will read: those of a node that failed after storing them, or the earlier
+        output of a node that runs again. Returns True iff the tensor was held.
+        """
+        with self._lock:
+            entry = self._entries.get(tensor_id)
+            if entry is None:
                 return False
             self._forget(tensor_id, entry)
         self.transport.arena.free(entry.offset)

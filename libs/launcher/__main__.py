@@ -99,20 +99,20 @@ def register_catalog(stack: Stack) -> None:
     """Register every catalog workflow and LoRA adapter through the HTTP API, as a user would."""
     import json
 
-    from libs.models import catalog
+    from libs.models import families
     from libs.workflow.spec import encode_spec
 
-    specs = catalog.workflows()
+    specs = families.workflows()
     for spec in specs:
         status, body = stack.http("POST", "/v1/workflows", json.loads(encode_spec(spec)))
         if status not in (200, 201):
             raise StackError(f"registering {spec.name} failed: {status} {body}")
-    for name, path in catalog.LORAS.items():
+    for name, path in families.LORAS.items():
         status, body = stack.http("POST", "/v1/loras", {"name": name, "path": path})
         if status not in (200, 201):
             raise StackError(f"registering LoRA {name} failed: {status} {body}")
     print(
-        f"registered {len(specs)} workflows and {len(catalog.LORAS)} LoRA adapters (GET /v1/workflows lists them)"
+        f"registered {len(specs)} workflows and {len(families.LORAS)} LoRA adapters (GET /v1/workflows lists them)"
     )
 
 

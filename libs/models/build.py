@@ -23,12 +23,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     args = parser.parse_args(argv)
     if args.all:
-        from libs.models.catalog import build
+        from libs.models.families import build
 
         for name, path in sorted(build(args.out).items()):
             print(f"{name}: {path}")
         return 0
-    from libs.models.tiny import build_flux
+    from libs.models.tiny_flux import build_flux
 
     name = args.name or DEFAULT_NAMES[args.preset]
     print(build_flux(f"{args.out}/{name}", preset=args.preset, seed=args.seed))

@@ -2,7 +2,7 @@
 
 Each class below mirrors one stretch of ``diffusers/pipelines/flux/pipeline_flux.py`` (diffusers
 0.42.1) and runs it on its own, so a workflow of these nodes reproduces the monolithic pipeline's image
-bitwise (measured; ``shared/NOTES-diffusers.md``, "Decomposition is exact"). Dev and schnell
+bitwise (measured by the family's tests, on the CPU with the thread count pinned). Dev and schnell
 checkpoints use the same classes: the transformer adds guidance only when ``config.guidance_embeds``;
 schnell's scheduler (no dynamic shifting) goes through the same ``set_timesteps`` call, which then
 ignores ``mu``. The ControlNet-only nodes of ``pipeline_flux_controlnet.py`` (``flux.control_encoder``,
@@ -28,11 +28,11 @@ The denoising loop itself is the workflow's: for ``step`` in ``range(num_inferen
 1 (the platform never batches requests: batching changes the bits). IP-Adapter and callbacks are not
 mirrored.
 
-ControlNet inputs (paper §5.2). ``flux.transformer`` declares the two residual lists of
+ControlNet inputs (the paper, §5.2). ``flux.transformer`` declares the two residual lists of
 ``flux.controlnet`` as optional *callback* inputs: it starts its forward at once and fetches
 ``controlnet_block_samples`` when the first double block has run (``FluxTransformer2DModel.forward``
 first reads them after block 0) and the single ones after the first single block, through
-:class:`~libs.models.lazy.LazyList`. Left unbound, they are ``None`` and the same class serves the
+:func:`~libs.models.common.lazy_list`. Left unbound, they are ``None`` and the same class serves the
 basic workflow. ``flux.prepare_latents`` continues from the request generator's state after
 ``flux.control_encoder``'s draw when its optional ``generator_state`` input is bound, instead of
 seeding a fresh generator (the generator trap, :mod:`libs.models.flux_controlnet`).
@@ -44,7 +44,7 @@ way ``FluxLoraLoaderMixin.load_lora_weights`` loads them into the transformer (`
 with network alphas and adapter metadata, prefix ``transformer``). Text-encoder LoRA weights are
 refused: the text-encoder nodes do not apply them, so the image would silently differ.
 
-True CFG (paper Fig. 12-right). ``FluxPipeline`` with ``negative_prompt`` and ``true_cfg_scale > 1``
+True CFG (the paper, Fig. 12-right). ``FluxPipeline`` with ``negative_prompt`` and ``true_cfg_scale > 1``
 runs the transformer twice per step, unbatched, and combines. A workflow runs two ``flux.transformer``
 nodes per step (positive and negative embeddings; they may run on two executors) and the light
 ``flux.true_cfg`` node. (The pipeline's ``cache_context("uncond")`` only matters with caching hooks,
@@ -66,17 +66,15 @@ the noise takes the *T5* embeddings' dtype (``prepare_latents(..., prompt_embeds
 
 This module imports no torch, diffusers or transformers at import time: the registry reads
 ``signature()`` of these classes in a process without torch. Heavy imports live in the methods.
-The device is ``$T2I_DEVICE`` (default ``cpu``); ``flux.prepare_latents`` always runs on the CPU,
-as the pipeline's CPU generator draws the noise there.
+``load_model`` puts the models on the device it is given; ``flux.prepare_latents`` always runs on
+the CPU, as the pipeline's CPU generator draws the noise there.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from libs.models.common import config_dtype as _config_dtype
-from libs.models.common import device as _device
-from libs.models.lazy import LazyList
+from libs.models.common import calculate_shift, config_dtype, lazy_list, to_uint8_image, vae_scale_factor
 from libs.models.lora import LoraSwitch
 from libs.workflow.modelfn import ModelFn
 
@@ -87,28 +85,10 @@ if TYPE_CHECKING:
 # -- helpers mirroring FluxPipeline's module functions and static methods --------------------------
 
 
-def _vae_scale_factor(vae_config: dict[str, Any]) -> int:
-    # FluxPipeline.__init__: 2 ** (len(vae.config.block_out_channels) - 1)
-    return int(2 ** (len(vae_config["block_out_channels"]) - 1))
-
-
 def _latent_size(height: int, width: int, vae_scale_factor: int) -> tuple[int, int]:
     # prepare_latents/_unpack_latents: the VAE compresses by vae_scale_factor and packing needs
     # an even latent height and width.
     return 2 * (int(height) // (vae_scale_factor * 2)), 2 * (int(width) // (vae_scale_factor * 2))
-
-
-def _calculate_shift(image_seq_len: int, scheduler_config: dict[str, Any]) -> float:
-    """``mu`` of the resolution-dependent shift: a line through (base_seq, base_shift) and
-    (max_seq, max_shift), as pipeline_flux.calculate_shift computes it (same operation order, so
-    the same float)."""
-    base_seq_len = scheduler_config.get("base_image_seq_len", 256)
-    max_seq_len = scheduler_config.get("max_image_seq_len", 4096)
-    base_shift = scheduler_config.get("base_shift", 0.5)
-    max_shift = scheduler_config.get("max_shift", 1.15)
-    m = (max_shift - base_shift) / (max_seq_len - base_seq_len)
-    b = base_shift - m * base_seq_len
-    return float(image_seq_len * m + b)
 
 
 def _set_flux_timesteps(scheduler: Any, num_inference_steps: int, image_seq_len: int, device: Any) -> None:
@@ -121,7 +101,14 @@ def _set_flux_timesteps(scheduler: Any, num_inference_steps: int, image_seq_len:
     sigmas: Any = np.linspace(1.0, 1 / n, n)
     if getattr(scheduler.config, "use_flow_sigmas", False):
         sigmas = None
-    mu = _calculate_shift(image_seq_len, dict(scheduler.config))
+    config = scheduler.config
+    mu = calculate_shift(
+        image_seq_len,
+        config.get("base_image_seq_len", 256),
+        config.get("max_image_seq_len", 4096),
+        config.get("base_shift", 0.5),
+        config.get("max_shift", 1.15),
+    )
     if sigmas is None:
         scheduler.set_timesteps(n, device=device, mu=mu)
     else:
@@ -167,12 +154,12 @@ class FluxClipEncoder(ModelFn):
         self.add_input("prompt")
         self.add_output("pooled_prompt_embeds")
 
-    def load_model(self, model_path: str) -> dict[str, Any]:
+    def load_model(self, model_path: str, device: str) -> dict[str, Any]:
         from transformers import CLIPTextModel, CLIPTokenizer
 
         tokenizer = CLIPTokenizer.from_pretrained(model_path, subfolder="tokenizer")
         text_encoder = CLIPTextModel.from_pretrained(model_path, subfolder="text_encoder")
-        return {"tokenizer": tokenizer, "text_encoder": text_encoder.to(_device()).eval()}
+        return {"tokenizer": tokenizer, "text_encoder": text_encoder.to(device).eval()}
 
     def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
         import torch
@@ -208,16 +195,16 @@ class FluxT5Encoder(ModelFn):
         self.add_output("prompt_embeds")
         self.add_output("text_ids")
 
-    def load_model(self, model_path: str) -> dict[str, Any]:
+    def load_model(self, model_path: str, device: str) -> dict[str, Any]:
         from transformers import T5EncoderModel, T5TokenizerFast
 
         tokenizer_2 = T5TokenizerFast.from_pretrained(model_path, subfolder="tokenizer_2")
         text_encoder_2 = T5EncoderModel.from_pretrained(model_path, subfolder="text_encoder_2")
         return {
             "tokenizer_2": tokenizer_2,
-            "text_encoder_2": text_encoder_2.to(_device()).eval(),
+            "text_encoder_2": text_encoder_2.to(device).eval(),
             # encode_prompt builds text_ids in the CLIP encoder's dtype, not T5's.
-            "text_ids_dtype": _config_dtype(model_path, "text_encoder"),
+            "text_ids_dtype": config_dtype(model_path, "text_encoder"),
         }
 
     def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
@@ -268,19 +255,19 @@ class FluxPrepareLatents(ModelFn):
         self.add_output("latent_image_ids")
         self.add_output("timesteps")
 
-    def load_model(self, model_path: str) -> dict[str, Any]:
+    def load_model(self, model_path: str, device: str) -> dict[str, Any]:
         from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
 
         transformer_config = FluxTransformer2DModel.load_config(model_path, subfolder="transformer")
         vae_config = AutoencoderKL.load_config(model_path, subfolder="vae")
         return {
             "num_channels_latents": int(transformer_config["in_channels"]) // 4,
-            "vae_scale_factor": _vae_scale_factor(vae_config),
+            "vae_scale_factor": vae_scale_factor(vae_config),
             "scheduler_config": FlowMatchEulerDiscreteScheduler.load_config(
                 model_path, subfolder="scheduler"
             ),
             # prepare_latents draws the noise in prompt_embeds.dtype, i.e. T5's.
-            "latents_dtype": _config_dtype(model_path, "text_encoder_2"),
+            "latents_dtype": config_dtype(model_path, "text_encoder_2"),
         }
 
     def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
@@ -293,7 +280,8 @@ class FluxPrepareLatents(ModelFn):
         with torch.no_grad():
             # 4. prepare_latents: randn_tensor with the request's CPU generator samples on the CPU.
             # FluxPipeline: the generator's first draw. FluxControlNetPipeline: its draw after the
-            # control image's VAE sample (pipeline_flux_controlnet.py 932, then 1003-1013), so we
+            # control image's VAE sample (FluxControlNetPipeline.__call__ samples the control latents
+            # with retrieve_latents(..., generator) in step 3, then prepare_latents in step 4), so we
             # continue from the state after that draw.
             generator = torch.Generator(device="cpu")
             state = inputs.get("generator_state")
@@ -311,12 +299,9 @@ class FluxPrepareLatents(ModelFn):
         return {"latents": latents, "latent_image_ids": latent_image_ids, "timesteps": timesteps}
 
 
-def _control_residuals(value: Any, name: str, device: Any) -> LazyList | None:
+def _control_residuals(value: Any, name: str, device: Any) -> Any:
     """A ControlNet residual input as the transformer's forward wants it: None when unbound, else
-    a :class:`LazyList` that fetches (a Deferred is callable) at the forward's first use."""
-    if value is None:
-        return None
-    fetch = value if callable(value) else (lambda: value)
+    a lazy list that fetches (a Deferred is callable) at the forward's first use."""
 
     def pick(samples: Any) -> list[Any]:
         if not samples:
@@ -325,16 +310,15 @@ def _control_residuals(value: Any, name: str, device: Any) -> LazyList | None:
             raise ValueError(f"{name} is empty: the ControlNet has no blocks of that kind")
         return [sample.to(device) for sample in samples]
 
-    return LazyList(fetch, pick)
+    return lazy_list(value, pick)
 
 
 def _load_flux_lora(path: str) -> tuple[dict[str, Any], str, dict[str, Any]]:
     """A LoRA file as ``FluxLoraLoaderMixin.load_lora_weights`` reads it, for :class:`LoraSwitch`."""
     from diffusers import FluxPipeline
 
-    # FluxLoraLoaderMixin.load_lora_weights (lora_pipeline.py 1597-1600): the state dict
-    # (kohya/xlabs/... converted to diffusers keys), its network alphas and the adapter
-    # metadata stored in the file.
+    # FluxLoraLoaderMixin.load_lora_weights: the state dict (kohya/xlabs/... converted to
+    # diffusers keys), its network alphas and the adapter metadata stored in the file.
     state_dict, network_alphas, metadata = FluxPipeline.lora_state_dict(
         path, return_alphas=True, return_lora_metadata=True
     )
@@ -344,7 +328,7 @@ def _load_flux_lora(path: str) -> tuple[dict[str, Any], str, dict[str, Any]]:
             f"{path}: only transformer LoRA weights are supported; found {len(foreign)} other keys, "
             f"e.g. {foreign[0]!r}"
         )
-    # What load_lora_into_transformer passes load_lora_adapter (lora_pipeline.py 1676-1698);
+    # What FluxLoraLoaderMixin.load_lora_into_transformer passes load_lora_adapter;
     # low_cpu_mem_usage is load_lora_weights' default with peft and transformers > 4.45.2 (it only
     # avoids a random init of the LoRA layers before the file's weights replace it).
     return (
@@ -378,11 +362,11 @@ class FluxTransformer(ModelFn):
         self.add_input("lora_scale", optional=True)
         self.add_output("noise_pred")
 
-    def load_model(self, model_path: str) -> dict[str, Any]:
+    def load_model(self, model_path: str, device: str) -> dict[str, Any]:
         from diffusers import FluxTransformer2DModel
 
         transformer = FluxTransformer2DModel.from_pretrained(model_path, subfolder="transformer")
-        transformer = transformer.to(_device()).eval()
+        transformer = transformer.to(device).eval()
         return {"transformer": transformer, "lora": LoraSwitch(transformer, _load_flux_lora)}
 
     def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
@@ -414,7 +398,7 @@ class FluxTransformer(ModelFn):
             timestep = t.expand(latents.shape[0]).to(latents.dtype)
             kwargs: dict[str, Any] = {}
             if block_samples is not None or single_block_samples is not None:
-                # pipeline_flux_controlnet.py 929 and 1127-1140: residuals of a ControlNet without
+                # FluxControlNetPipeline.__call__: residuals of a ControlNet without an
                 # input_hint_block, so controlnet_blocks_repeat=False.
                 kwargs = dict(
                     controlnet_block_samples=block_samples,
@@ -460,7 +444,7 @@ class FluxTrueCfg(ModelFn):
             return {"noise_pred": noise_pred}
         with torch.no_grad():
             neg_noise_pred = inputs["neg_noise_pred"].to(noise_pred.device)
-            # pipeline_flux.py 929: the true-CFG combination, same operations in the same order.
+            # FluxPipeline.__call__'s true-CFG combination, same operations in the same order.
             noise_pred = neg_noise_pred + true_cfg_scale * (noise_pred - neg_noise_pred)
         return {"noise_pred": noise_pred}
 
@@ -478,7 +462,7 @@ class FlowMatchEulerStep(ModelFn):
         self.add_input("num_inference_steps")
         self.add_output("latents")
 
-    def load_model(self, model_path: str) -> dict[str, Any]:
+    def load_model(self, model_path: str, device: str) -> dict[str, Any]:
         from diffusers import FlowMatchEulerDiscreteScheduler
 
         return {
@@ -519,17 +503,17 @@ class FluxVaeDecode(ModelFn):
         self.add_input("width")
         self.add_output("image")
 
-    def load_model(self, model_path: str) -> dict[str, Any]:
+    def load_model(self, model_path: str, device: str) -> dict[str, Any]:
         from diffusers import AutoencoderKL
         from diffusers.image_processor import VaeImageProcessor
 
-        vae = AutoencoderKL.from_pretrained(model_path, subfolder="vae").to(_device()).eval()
-        vae_scale_factor = _vae_scale_factor(dict(vae.config))
+        vae = AutoencoderKL.from_pretrained(model_path, subfolder="vae").to(device).eval()
+        factor = vae_scale_factor(vae.config)
         return {
             "vae": vae,
-            "vae_scale_factor": vae_scale_factor,
+            "vae_scale_factor": factor,
             # FluxPipeline.__init__: packing doubles the effective scale factor
-            "image_processor": VaeImageProcessor(vae_scale_factor=vae_scale_factor * 2),
+            "image_processor": VaeImageProcessor(vae_scale_factor=factor * 2),
         }
 
     def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
@@ -541,8 +525,4 @@ class FluxVaeDecode(ModelFn):
             latents = _unpack_latents(inputs["latents"], height, width, components["vae_scale_factor"])
             latents = (latents / vae.config.scaling_factor) + vae.config.shift_factor
             image = vae.decode(latents.to(vae.device), return_dict=False)[0]
-            # postprocess(output_type="pil") is postprocess(output_type="np") then numpy_to_pil's
-            # (x * 255).round().astype("uint8"); we stop before building the PIL image.
-            array = image_processor.postprocess(image, output_type="np")
-            array = (array * 255).round().astype("uint8")
-        return {"image": torch.from_numpy(array[0].copy())}
+            return {"image": to_uint8_image(image_processor, image)}

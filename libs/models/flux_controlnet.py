@@ -17,7 +17,7 @@ ModelFn (``fn_name``)       what it mirrors
 Control guidance start/end other than (0, 1), ControlNet-Union modes and XLabs-style ControlNets (with
 an ``input_hint_block``) are not mirrored.
 
-ControlNet (paper §5.2). ``flux.controlnet`` is its own node every step, running in parallel with
+ControlNet (the paper, §5.2). ``flux.controlnet`` is its own node every step, running in parallel with
 ``flux.transformer``, which declares the two residual lists as optional *callback* inputs and fetches
 them mid-forward (see :mod:`libs.models.flux`).
 
@@ -29,16 +29,17 @@ round-trips exactly), and ``flux.prepare_latents`` continues from it when its op
 
 This module imports no torch, diffusers or transformers at import time: the registry reads
 ``signature()`` of these classes in a process without torch. The helpers it shares with the base
-nodes (device, VAE scale factor, packing) are :mod:`libs.models.flux`'s. The device is
-``$T2I_DEVICE`` (default ``cpu``); ``flux.control_encoder`` samples with a CPU generator
-(``randn_tensor`` draws on the generator's device, then moves).
+nodes (packing) are :mod:`libs.models.flux`'s, the platform helpers :mod:`libs.models.common`'s.
+``load_model`` puts the models on the device it is given; ``flux.control_encoder`` samples with a
+CPU generator (``randn_tensor`` draws on the generator's device, then moves).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from libs.models.flux import _device, _pack_latents, _vae_scale_factor
+from libs.models.common import vae_scale_factor
+from libs.models.flux import _pack_latents
 from libs.workflow.modelfn import ModelFn
 
 
@@ -57,17 +58,17 @@ class FluxControlImageEncoder(ModelFn):
         self.add_output("controlnet_cond")
         self.add_output("generator_state")
 
-    def load_model(self, model_path: str) -> dict[str, Any]:
+    def load_model(self, model_path: str, device: str) -> dict[str, Any]:
         from diffusers import AutoencoderKL, FluxTransformer2DModel
         from diffusers.image_processor import VaeImageProcessor
 
-        vae = AutoencoderKL.from_pretrained(model_path, subfolder="vae").to(_device()).eval()
+        vae = AutoencoderKL.from_pretrained(model_path, subfolder="vae").to(device).eval()
         transformer_config = FluxTransformer2DModel.load_config(model_path, subfolder="transformer")
         return {
             "vae": vae,
             # FluxControlNetPipeline.__init__: the image processor works in multiples of 2x the
             # VAE's scale factor (packing).
-            "image_processor": VaeImageProcessor(vae_scale_factor=_vae_scale_factor(dict(vae.config)) * 2),
+            "image_processor": VaeImageProcessor(vae_scale_factor=vae_scale_factor(vae.config) * 2),
             "num_channels_latents": int(transformer_config["in_channels"]) // 4,
         }
 
@@ -81,7 +82,7 @@ class FluxControlImageEncoder(ModelFn):
         with torch.no_grad():
             # The request's generator, seeded as the caller of the pipeline seeds it.
             generator = torch.Generator(device="cpu").manual_seed(int(inputs["seed"]))
-            # 3. Prepare control image (pipeline_flux_controlnet.py 914-944): prepare_image (627-658:
+            # 3. Prepare control image (FluxControlNetPipeline.__call__): prepare_image (its
             # preprocess = resize to height x width rounded down to the processor's multiple,
             # normalise to [-1, 1]) at the VAE's dtype.
             control = image_processor.preprocess(
@@ -92,7 +93,7 @@ class FluxControlImageEncoder(ModelFn):
             # convolutions round differently on the two layouts.
             control = control.repeat_interleave(1, dim=0)
             control = control.to(device=vae.device, dtype=vae.dtype)
-            # vae encode (932-933): retrieve_latents(..., generator) samples the posterior, the
+            # vae encode: retrieve_latents(..., generator) samples the posterior, the
             # generator's first draw of the request.
             control = vae.encode(control).latent_dist.sample(generator)
             control = (control - vae.config.shift_factor) * vae.config.scaling_factor
@@ -127,7 +128,7 @@ class FluxControlNet(ModelFn):
         self.add_output("controlnet_block_samples")
         self.add_output("controlnet_single_block_samples")
 
-    def load_model(self, model_path: str) -> dict[str, Any]:
+    def load_model(self, model_path: str, device: str) -> dict[str, Any]:
         from diffusers import FluxControlNetModel
 
         controlnet = FluxControlNetModel.from_pretrained(model_path)
@@ -137,7 +138,7 @@ class FluxControlNet(ModelFn):
             raise NotImplementedError(f"{model_path}: ControlNets with an input_hint_block are not supported")
         if controlnet.union:
             raise NotImplementedError(f"{model_path}: ControlNet-Union (control modes) is not supported")
-        return {"controlnet": controlnet.to(_device()).eval()}
+        return {"controlnet": controlnet.to(device).eval()}
 
     def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
         import torch
@@ -148,11 +149,12 @@ class FluxControlNet(ModelFn):
         timesteps = inputs["timesteps"].to(device)
         step = int(inputs["step"])
         with torch.no_grad():
-            # pipeline_flux_controlnet.py 1042-1048 with the default control_guidance_start=0.0 and
-            # control_guidance_end=1.0: controlnet_keep[i] (1.0 at every step).
+            # FluxControlNetPipeline.__call__'s controlnet_keep with the default
+            # control_guidance_start=0.0 and control_guidance_end=1.0: controlnet_keep[i] (1.0 at
+            # every step).
             n = len(timesteps)
             keep = 1.0 - float(step / n < 0.0 or (step + 1) / n > 1.0)
-            # 7. Denoising loop body, up to the controlnet call (1086-1119).
+            # 7. Denoising loop body, up to the controlnet call.
             t = timesteps[step]
             timestep = t.expand(latents.shape[0]).to(latents.dtype)
             use_guidance = controlnet.config.guidance_embeds

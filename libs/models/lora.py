@@ -1,7 +1,7 @@
 """LoRA adapters per request on a shared executor: load once, switch per call, never fuse.
 
 Executors keep the base model loaded and serve requests that name different adapters (or none).
-Fusing would modify the base weights (fuse -> unfuse leaves them ~2e-7 off: NOTES-diffusers.md),
+Fusing would modify the base weights (fuse -> unfuse leaves them ~2e-7 off, measured on CPU),
 so adapters stay separate PEFT layers: each file is loaded once under a name derived from its path,
 ``set_adapters`` selects it with the request's scale, and ``disable_lora`` returns the base output
 bitwise. At most ``max_adapters`` stay loaded per model (least recently used are deleted).

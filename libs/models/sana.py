@@ -2,21 +2,21 @@
 ``SanaControlNetPipeline.__call__`` cut at their seams.
 
 Each class mirrors one stretch of ``diffusers/pipelines/sana/pipeline_sana.py`` or
-``pipeline_sana_controlnet.py`` (diffusers 0.42.1; line numbers below are of those files) and runs
-it on its own, so a workflow of these nodes reproduces the monolithic pipelines' images bitwise. The
+``pipeline_sana_controlnet.py`` (diffusers 0.42.1) and runs it on its own, so a workflow of these nodes reproduces the monolithic pipelines' images bitwise. The
 two ControlNet-only nodes, ``sana.control_encode`` and ``sana.controlnet``, live in
 :mod:`libs.models.sana_controlnet`:
 
 ============================  ===================================================================
 ModelFn (``fn_name``)         what it mirrors
 ============================  ===================================================================
-``sana.text_encoder``         ``encode_prompt`` + ``_get_gemma_prompt_embeds`` (sana 222-408) and
-                              the ``[negative, positive]`` concatenation of step 3 (871-873)
-``sana.prepare_latents``      resolution binning (809-821), ``check_inputs``' multiple-of-32 rule
-                              (440), step 4 ``retrieve_timesteps`` and step 5 ``prepare_latents``
+``sana.text_encoder``         ``encode_prompt`` + ``_get_gemma_prompt_embeds`` and the
+                              ``[negative, positive]`` concatenation of ``__call__``'s step 3
+``sana.prepare_latents``      resolution binning (``__call__``'s first lines), ``check_inputs``'
+                              multiple-of-32 rule, step 4 ``retrieve_timesteps`` and step 5
+                              ``prepare_latents``
 ``sana.transformer``          the loop body up to ``noise_pred``: CFG batching, timestep, the
-                              transformer, ``.float()``, guidance, learned sigma (sana 910-934)
-``sana.scheduler_step``       ``self.scheduler.step(noise_pred, t, latents)`` (sana 937), stateless
+                              transformer, ``.float()``, guidance, learned sigma
+``sana.scheduler_step``       the loop's ``self.scheduler.step(noise_pred, t, latents)``, stateless
 ``sana.vae_decode``           the tail: ``vae.decode``, ``resize_and_crop_tensor``, postprocess
 ============================  ===================================================================
 
@@ -46,12 +46,13 @@ for Euler), restored into ``model_outputs`` with ``lower_order_nums = min(step, 
 Stochastic variants (SDE DPM-Solver, Euler ``stochastic_sampling``) draw from the request's
 generator inside ``step``; they are refused rather than silently diverging.
 
-ControlNet residuals. ``sana.transformer`` declares ``sana.controlnet``'s ``controlnet_block_samples``
-as an optional callback input and hands the transformer a :class:`~libs.models.lazy.LazyList`:
+ControlNet residuals (the paper, §5.2). ``sana.transformer`` declares ``sana.controlnet``'s
+``controlnet_block_samples`` as an optional callback input and hands the transformer a lazy list
+(:func:`~libs.models.common.lazy_list`):
 ``SanaTransformer2DModel.forward`` adds sample ``i - 1`` after block ``i >= 1`` and first touches
 the list (``len``) after block 1, so the fetch overlaps with the embeddings and two blocks. Note that
 ``SanaControlNetPipeline`` does not multiply the timestep by ``transformer.config.timestep_scale``
-(``SanaPipeline`` does, line 914); the transformer node mirrors whichever pipeline its workflow is
+(``SanaPipeline``'s loop does); the transformer node mirrors whichever pipeline its workflow is
 (1.0 in every released Sana, so the same bits).
 
 LoRA. ``sana.transformer`` takes ``lora`` (a safetensors path, "" = none) and ``lora_scale`` and
@@ -72,7 +73,7 @@ in fp32 on the CPU from ``torch.Generator("cpu").manual_seed(seed)`` (its only d
 ``prepare_latents(..., torch.float32, ...)`` with a CPU generator does on any device.
 
 No torch, diffusers or transformers at import time: the registry reads ``signature()`` without
-them. The device is ``$T2I_DEVICE`` (default ``cpu``).
+them. ``load_model`` puts the models on the device it is given.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from libs.models.common import device as _device
+from libs.models.common import lazy_list, to_uint8_image, vae_scale_factor
 from libs.workflow.modelfn import ModelFn
 
 if TYPE_CHECKING:
@@ -107,13 +108,13 @@ def _load_config(model_path: str, name: str) -> dict[str, Any]:
     return dict(_component_class(model_path, name).load_config(model_path, subfolder=name))
 
 
-def _vae_scale_factor(vae_config: dict[str, Any]) -> int:
-    # SanaPipeline.__init__ (sana 215-219)
-    return int(2 ** (len(vae_config["encoder_block_out_channels"]) - 1))
+def _vae_scale_factor(vae_config: Any) -> int:
+    # SanaPipeline.__init__: DC-AE's scale factor, from its encoder's blocks
+    return vae_scale_factor(vae_config, "encoder_block_out_channels")
 
 
 def _aspect_ratio_bin(sample_size: int) -> dict[str, list[float]]:
-    """The bin table ``__call__`` picks from ``transformer.config.sample_size`` (sana 809-819)."""
+    """The bin table ``__call__`` picks from ``transformer.config.sample_size``."""
     from diffusers.pipelines.pixart_alpha.pipeline_pixart_alpha import (
         ASPECT_RATIO_512_BIN,
         ASPECT_RATIO_1024_BIN,
@@ -135,7 +136,7 @@ def _aspect_ratio_bin(sample_size: int) -> dict[str, list[float]]:
 def _generation_size(
     height: int, width: int, use_resolution_binning: bool, sample_size: int
 ) -> tuple[int, int]:
-    """The (height, width) the pipeline generates at: binned (sana 809-821), then ``check_inputs``."""
+    """The (height, width) the pipeline generates at: binned (``__call__``), then ``check_inputs``."""
     from diffusers.image_processor import PixArtImageProcessor
 
     height, width = int(height), int(width)
@@ -207,7 +208,7 @@ class SanaTextEncoder(ModelFn):
         self.add_output("prompt_embeds")
         self.add_output("prompt_attention_mask")
 
-    def load_model(self, model_path: str) -> dict[str, Any]:
+    def load_model(self, model_path: str, device: str) -> dict[str, Any]:
         import inspect
 
         from diffusers import SanaPipeline
@@ -215,7 +216,7 @@ class SanaTextEncoder(ModelFn):
         default = inspect.signature(SanaPipeline.__call__).parameters["complex_human_instruction"].default
         return {
             "tokenizer": _load(model_path, "tokenizer"),
-            "text_encoder": _load(model_path, "text_encoder").to(_device()).eval(),
+            "text_encoder": _load(model_path, "text_encoder").to(device).eval(),
             "complex_human_instruction": list(default),
         }
 
@@ -226,7 +227,7 @@ class SanaTextEncoder(ModelFn):
         max_sequence_length: int,
         complex_human_instruction: list[str] | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``_get_gemma_prompt_embeds`` (sana 222-278), ``clean_caption=False``."""
+        """``_get_gemma_prompt_embeds``, ``clean_caption=False``."""
         tokenizer, text_encoder = components["tokenizer"], components["text_encoder"]
         device, dtype = text_encoder.device, text_encoder.dtype
         prompts = [prompt]
@@ -260,7 +261,7 @@ class SanaTextEncoder(ModelFn):
             raise ValueError(f"max_sequence_length must be at least 1, got {max_length}")
         chi = components["complex_human_instruction"] if inputs["complex_human_instruction"] else None
         with torch.no_grad():
-            # encode_prompt (sana 353-367): keep token 0 and the last max_length - 1 tokens
+            # encode_prompt: keep token 0 and the last max_length - 1 tokens
             select_index = [0] + list(range(-max_length + 1, 0))
             prompt_embeds, prompt_attention_mask = self._gemma_prompt_embeds(
                 components, str(inputs["prompt"]), max_length, chi
@@ -268,13 +269,14 @@ class SanaTextEncoder(ModelFn):
             prompt_embeds = prompt_embeds[:, select_index]
             prompt_attention_mask = prompt_attention_mask[:, select_index]
             if _do_cfg(inputs["guidance_scale"]):
-                # the negative prompt: complex_human_instruction=False and no select_index (377-386)
+                # the negative prompt (encode_prompt): complex_human_instruction=False and no
+                # select_index
                 negative_prompt = inputs.get("negative_prompt") or ""
                 negative_embeds, negative_mask = self._gemma_prompt_embeds(
                     components, str(negative_prompt), max_length, None
                 )
                 negative_embeds = negative_embeds.to(dtype=components["text_encoder"].dtype)
-                # step 3 of __call__ (871-873)
+                # step 3 of __call__
                 prompt_embeds = torch.cat([negative_embeds, prompt_embeds], dim=0)
                 prompt_attention_mask = torch.cat([negative_mask, prompt_attention_mask], dim=0)
         return {"prompt_embeds": prompt_embeds, "prompt_attention_mask": prompt_attention_mask}
@@ -297,7 +299,7 @@ class SanaPrepareLatents(ModelFn):
         self.add_output("timesteps")
         self.add_output("solver_history")
 
-    def load_model(self, model_path: str) -> dict[str, Any]:
+    def load_model(self, model_path: str, device: str) -> dict[str, Any]:
         transformer_config = _load_config(model_path, "transformer")
         return {
             "latent_channels": int(transformer_config["in_channels"]),
@@ -325,7 +327,7 @@ class SanaPrepareLatents(ModelFn):
             scheduler = _scheduler(components["scheduler_config"])
             scheduler.set_timesteps(steps, device="cpu")
             timesteps = scheduler.timesteps
-            # 5. Prepare latents (sana 634-651): the generator's only draw, fp32
+            # 5. Prepare latents: the generator's only draw, fp32
             shape = (1, components["latent_channels"], int(height) // vsf, int(width) // vsf)
             generator = torch.Generator(device="cpu").manual_seed(int(inputs["seed"]))
             latents = randn_tensor(
@@ -357,10 +359,10 @@ class SanaTransformer(ModelFn):
         self.add_input("lora_scale", optional=True)
         self.add_output("noise_pred")
 
-    def load_model(self, model_path: str) -> dict[str, Any]:
+    def load_model(self, model_path: str, device: str) -> dict[str, Any]:
         from libs.models.lora import LoraSwitch
 
-        transformer = _load(model_path, "transformer").to(_device()).eval()
+        transformer = _load(model_path, "transformer").to(device).eval()
         # match_requires_grad: the flags change Sana's bits (see the module docstring, "LoRA")
         return {
             "transformer": transformer,
@@ -370,15 +372,13 @@ class SanaTransformer(ModelFn):
     def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
         import torch
 
-        from libs.models.lazy import LazyList
-
         transformer = components["transformer"]
         device, transformer_dtype = transformer.device, transformer.dtype
         lora_path = inputs.get("lora") or ""
         lora_scale = inputs.get("lora_scale")
         lora_scale = 1.0 if lora_scale is None else float(lora_scale)
         # The adapter at weight 1.0 (scaling alpha / r, as after load_lora_weights); the request's
-        # scale goes in as the pipeline passes it, attention_kwargs={"scale": ...} (sana 848, 923).
+        # scale goes in as the pipeline passes it, attention_kwargs={"scale": ...}.
         components["lora"].use(lora_path, 1.0)
         attention_kwargs = {"scale": lora_scale} if lora_path else None
         control = inputs.get("controlnet_block_samples")
@@ -386,7 +386,7 @@ class SanaTransformer(ModelFn):
         latents = inputs["latents"].to(device)
         latent_channels = transformer.config.in_channels
         with torch.no_grad():
-            # 7./8. Denoising loop body (sana 910-934; controlnet 994-1029)
+            # 7./8. Denoising loop body (SanaPipeline's; SanaControlNetPipeline's)
             latent_model_input = torch.cat([latents] * 2) if _do_cfg(guidance_scale) else latents
             t = inputs["timesteps"].to(device)[int(inputs["step"])]
             timestep = t.expand(latent_model_input.shape[0])
@@ -396,9 +396,8 @@ class SanaTransformer(ModelFn):
             else:
                 # tuple(t.to(dtype=transformer_dtype) for t in controlnet_block_samples), fetched
                 # when the forward first touches it (after block 1)
-                extra["controlnet_block_samples"] = LazyList(
-                    control,
-                    pick=lambda samples: [s.to(device=device, dtype=transformer_dtype) for s in samples],
+                extra["controlnet_block_samples"] = lazy_list(
+                    control, lambda samples: [s.to(device=device, dtype=transformer_dtype) for s in samples]
                 )
             noise_pred = transformer(
                 latent_model_input.to(dtype=transformer_dtype),
@@ -434,7 +433,7 @@ class SanaSchedulerStep(ModelFn):
         self.add_output("latents")
         self.add_output("solver_history")
 
-    def load_model(self, model_path: str) -> dict[str, Any]:
+    def load_model(self, model_path: str, device: str) -> dict[str, Any]:
         config = _load_config(model_path, "scheduler")
         _scheduler(config)  # refuse an unsupported scheduler at load time
         return {"scheduler_config": config}
@@ -471,7 +470,7 @@ class SanaSchedulerStep(ModelFn):
                 for j in range(k):
                     scheduler.model_outputs[order - k + j] = history[j]
                 scheduler.lower_order_nums = min(step, order)
-            # compute previous image: x_t -> x_t-1 (sana 937)
+            # compute previous image: x_t -> x_t-1
             latents = scheduler.step(noise_pred, timesteps[step], latents, return_dict=False)[0]
             if hasattr(scheduler, "model_outputs"):
                 kept = [m for m in scheduler.model_outputs[1:] if m is not None]
@@ -492,13 +491,13 @@ class SanaVaeDecode(ModelFn):
         self.add_input("use_resolution_binning")
         self.add_output("image")
 
-    def load_model(self, model_path: str) -> dict[str, Any]:
+    def load_model(self, model_path: str, device: str) -> dict[str, Any]:
         from diffusers.image_processor import PixArtImageProcessor
 
-        vae = _load(model_path, "vae").to(_device()).eval()
+        vae = _load(model_path, "vae").to(device).eval()
         return {
             "vae": vae,
-            "image_processor": PixArtImageProcessor(vae_scale_factor=_vae_scale_factor(dict(vae.config))),
+            "image_processor": PixArtImageProcessor(vae_scale_factor=_vae_scale_factor(vae.config)),
         }
 
     def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
@@ -506,7 +505,7 @@ class SanaVaeDecode(ModelFn):
 
         vae, image_processor = components["vae"], components["image_processor"]
         with torch.no_grad():
-            # sana 959-972
+            # the tail of __call__
             latents = inputs["latents"].to(device=vae.device, dtype=vae.dtype)
             image = vae.decode(latents / vae.config.scaling_factor, return_dict=False)[0]
             if inputs["use_resolution_binning"]:
@@ -514,8 +513,4 @@ class SanaVaeDecode(ModelFn):
                 image = image_processor.resize_and_crop_tensor(
                     image, int(inputs["width"]), int(inputs["height"])
                 )
-            # postprocess(output_type="pil") = postprocess("np") then numpy_to_pil's
-            # (x * 255).round().astype("uint8"); we stop before building the PIL image.
-            array = image_processor.postprocess(image, output_type="np")
-            array = (array * 255).round().astype("uint8")
-        return {"image": torch.from_numpy(array[0].copy())}
+            return {"image": to_uint8_image(image_processor, image)}

@@ -1,7 +1,7 @@
 """The Sana ControlNet ModelFns: the ControlNet-only stretches of ``SanaControlNetPipeline.__call__``.
 
 Each class mirrors one stretch of ``diffusers/pipelines/sana/pipeline_sana_controlnet.py`` (diffusers
-0.42.1; "controlnet <n>" below are its line numbers) and runs it on its own. The rest of that pipeline
+0.42.1) and runs it on its own. The rest of that pipeline
 is ``SanaPipeline``'s, served by the nodes of :mod:`libs.models.sana` (``sana.transformer`` takes this
 module's block samples as a callback input), so a ControlNet workflow of both modules' nodes reproduces
 the monolithic pipeline's image bitwise:
@@ -9,12 +9,12 @@ the monolithic pipeline's image bitwise:
 ============================  ===================================================================
 ModelFn (``fn_name``)         what it mirrors
 ============================  ===================================================================
-``sana.control_encode``       controlnet step 4: ``prepare_image`` + ``vae.encode(...).latent``
-                              times ``scaling_factor`` (controlnet 649-682, 938-954)
-``sana.controlnet``           the ``self.controlnet(...)`` call of the controlnet loop (994-1009)
+``sana.control_encode``       the ControlNet pipeline's step 4: ``prepare_image`` +
+                              ``vae.encode(...).latent`` times ``scaling_factor``
+``sana.controlnet``           the ``self.controlnet(...)`` call of the ControlNet pipeline's loop
 ============================  ===================================================================
 
-ControlNet. ``sana.control_encode`` runs once per request (the pipeline encodes the control image
+ControlNet (the paper, §5.2). ``sana.control_encode`` runs once per request (the pipeline encodes the control image
 once, before the loop, in a batch of two when guiding: that batch is kept, as batching changes the
 bits; the encoder is deterministic, so there is no RNG-order trap). ``sana.controlnet`` runs every
 step in parallel with ``sana.transformer``, which fetches its ``controlnet_block_samples`` inside the
@@ -23,7 +23,7 @@ forward (see :mod:`libs.models.sana`). Like the pipeline's loop, it does not mul
 
 No torch, diffusers or transformers at import time: the registry reads ``signature()`` without
 them. The helpers shared with the base nodes (component loading, resolution binning, CFG test) are
-:mod:`libs.models.sana`'s. The device is ``$T2I_DEVICE`` (default ``cpu``).
+:mod:`libs.models.sana`'s. ``load_model`` puts the models on the device it is given.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from libs.models.sana import _device, _do_cfg, _generation_size, _load, _load_config, _vae_scale_factor
+from libs.models.sana import _do_cfg, _generation_size, _load, _load_config, _vae_scale_factor
 from libs.workflow.modelfn import ModelFn
 
 
@@ -49,13 +49,13 @@ class SanaControlEncode(ModelFn):
         self.add_input("guidance_scale")
         self.add_output("control_latents")
 
-    def load_model(self, model_path: str) -> dict[str, Any]:
+    def load_model(self, model_path: str, device: str) -> dict[str, Any]:
         from diffusers.image_processor import PixArtImageProcessor
 
-        vae = _load(model_path, "vae").to(_device()).eval()
+        vae = _load(model_path, "vae").to(device).eval()
         return {
             "vae": vae,
-            "image_processor": PixArtImageProcessor(vae_scale_factor=_vae_scale_factor(dict(vae.config))),
+            "image_processor": PixArtImageProcessor(vae_scale_factor=_vae_scale_factor(vae.config)),
             "sample_size": int(_load_config(model_path, "transformer")["sample_size"]),
         }
 
@@ -73,14 +73,14 @@ class SanaControlEncode(ModelFn):
         if image is None:
             raise ValueError("sana.control_encode needs a control_image")
         with torch.no_grad():
-            # prepare_image (controlnet 649-682), batch_size = num_images_per_prompt = 1
+            # prepare_image, batch_size = num_images_per_prompt = 1
             if not isinstance(image, torch.Tensor):
                 image = image_processor.preprocess(image, height=height, width=width)
             image = image.repeat_interleave(1, dim=0)
             image = image.to(device=vae.device, dtype=vae.dtype)
             if _do_cfg(inputs["guidance_scale"]):
                 image = torch.cat([image] * 2)
-            # controlnet 951-954
+            # the ControlNet pipeline's step 4: encode, scale
             control_latents = vae.encode(image).latent
             control_latents = control_latents * vae.config.scaling_factor
         return {"control_latents": control_latents}
@@ -103,14 +103,14 @@ class SanaControlNet(ModelFn):
         self.add_input("control_scale")
         self.add_output("controlnet_block_samples")
 
-    def load_model(self, model_path: str) -> dict[str, Any]:
+    def load_model(self, model_path: str, device: str) -> dict[str, Any]:
         if (Path(model_path) / "model_index.json").is_file():  # a SanaControlNetPipeline folder
             controlnet = _load(model_path, "controlnet")
         else:  # a ControlNet of its own (how released Sana ControlNets ship)
             from diffusers import SanaControlNetModel
 
             controlnet = SanaControlNetModel.from_pretrained(model_path)
-        return {"controlnet": controlnet.to(_device()).eval()}
+        return {"controlnet": controlnet.to(device).eval()}
 
     def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
         import torch
@@ -119,7 +119,7 @@ class SanaControlNet(ModelFn):
         device, dtype = controlnet.device, controlnet.dtype
         latents = inputs["latents"].to(device)
         with torch.no_grad():
-            # controlnet loop body (controlnet 994-1009); no timestep_scale in this pipeline
+            # the ControlNet pipeline's loop body; no timestep_scale in this pipeline
             latent_model_input = torch.cat([latents] * 2) if _do_cfg(inputs["guidance_scale"]) else latents
             t = inputs["timesteps"].to(device)[int(inputs["step"])]
             timestep = t.expand(latent_model_input.shape[0])

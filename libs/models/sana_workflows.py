@@ -1,4 +1,4 @@
-"""Sana workflows, composed from the ``sana.*`` ModelFns (paper Fig. 7).
+"""Sana workflows, composed from the ``sana.*`` ModelFns (the paper, §4, Fig. 7).
 
 * ``tiny-sana``: Gemma2 text encoder (prompt and negative prompt), latent preparation, the Sana
   transformer (with classifier-free guidance) then the scheduler step once per denoising step,
@@ -8,6 +8,8 @@
   its forward (callback input).
 * ``tiny-sana-lora`` / ``tiny-sana-controlnet-lora``: the same with the ``lora`` and
   ``lora_scale`` parameters, which the transformer binds by name.
+
+The four variants come from :func:`libs.models.common.variant_workflows`.
 
 The loop carries ``latents`` and ``solver_history`` (empty for flow-match Euler; a multistep
 DPM-Solver's previous outputs otherwise), so the same composition serves a real Sana checkpoint,
@@ -22,6 +24,7 @@ This module imports no torch: composing only records names and references.
 
 from __future__ import annotations
 
+from libs.models.common import Variant, controlnet_params, lora_params, variant_workflows
 from libs.models.sana import (
     SanaPrepareLatents,
     SanaSchedulerStep,
@@ -33,8 +36,6 @@ from libs.models.sana_controlnet import SanaControlEncode, SanaControlNet
 from libs.workflow.compose import Value, Workflow
 from libs.workflow.modelfn import ModelFn
 from libs.workflow.spec import ParamSpec, WorkflowSpec
-
-__all__ = ["MODELFNS", "sana_params", "sana_workflow", "workflows"]
 
 # Every Sana ModelFn (libs.models.sana and libs.models.sana_controlnet), for the catalog (entry
 # points) and tests.
@@ -49,18 +50,12 @@ MODELFNS: list[type[ModelFn]] = [
 ]
 
 TINY_SIZES = ["512x512", "672x384", "384x672", "576x448"]
+DESCRIPTION = "tiny Sana (random-weight Gemma2, linear DiT with CFG, DC-AE)"
 
 
-def sana_params(
-    *,
-    width: int,
-    height: int,
-    steps: int,
-    max_sequence_length: int,
-    controlnet: bool = False,
-    lora: bool = False,
-) -> dict[str, ParamSpec]:
-    params = {
+def sana_params(*, width: int, height: int, steps: int, max_sequence_length: int) -> dict[str, ParamSpec]:
+    """The parameters of the basic Sana workflow (:func:`sana_workflow` adds a variant's)."""
+    return {
         "prompt": ParamSpec(type="str", required=True, max_length=4000, description="what to draw"),
         "negative_prompt": ParamSpec(type="str", default="", max_length=4000, description="what not to draw"),
         "seed": ParamSpec(type="int", default=0, minimum=0, description="seed of the initial noise"),
@@ -86,19 +81,6 @@ def sana_params(
             description="generate at the nearest aspect-ratio bin, then resize back",
         ),
     }
-    if controlnet:
-        params["control_image"] = ParamSpec(
-            type="image", required=True, description="the ControlNet condition"
-        )
-        params["control_scale"] = ParamSpec(
-            type="float", default=1.0, minimum=0.0, maximum=2.0, description="controlnet_conditioning_scale"
-        )
-    if lora:
-        params["lora"] = ParamSpec(
-            type="lora", default="", description="a registered LoRA adapter; empty = none"
-        )
-        params["lora_scale"] = ParamSpec(type="float", default=1.0, minimum=-2.0, maximum=2.0)
-    return params
 
 
 def sana_workflow(
@@ -121,14 +103,11 @@ def sana_workflow(
     transformer = SanaTransformer(model, id="transformer")
     scheduler = SanaSchedulerStep(model, id="scheduler")
     vae = SanaVaeDecode(model, id="vae")
-    params = sana_params(
-        width=width,
-        height=height,
-        steps=steps,
-        max_sequence_length=max_sequence_length,
-        controlnet=controlnet,
-        lora=lora,
-    )
+    params = sana_params(width=width, height=height, steps=steps, max_sequence_length=max_sequence_length)
+    if controlnet:
+        params.update(controlnet_params())
+    if lora:
+        params.update(lora_params())
     with Workflow(name, params=params, sizes=sizes, description=description) as wf:
         text()  # prompt, negative_prompt, guidance_scale, max_sequence_length, complex_human_instruction
         init = prepare()  # seed, height, width, num_inference_steps, use_resolution_binning
@@ -153,61 +132,21 @@ def sana_workflow(
     return wf.spec()
 
 
-def tiny_sana(model: str = "tiny-sana") -> WorkflowSpec:
-    return sana_workflow(
-        "tiny-sana",
-        model,
-        sizes=TINY_SIZES,
-        steps=4,
-        max_sequence_length=32,
-        description="Sana workflow with random-weight tiny components (Gemma2, linear DiT, DC-AE)",
-    )
+def workflows(model: str = "tiny-sana", controlnet_model: str = "tiny-sana-controlnet") -> list[WorkflowSpec]:
+    """The tiny Sana family: plain, with ControlNet, LoRA or both. ``model`` is a ``SanaPipeline``
+    folder, ``controlnet_model`` a ``SanaControlNetPipeline`` one (the ControlNet variants run all
+    their nodes on it); :func:`libs.models.tiny_sana.build` builds both."""
 
+    def compose(name: str, variant: Variant, description: str) -> WorkflowSpec:
+        return sana_workflow(
+            name,
+            controlnet_model if variant.controlnet else model,
+            sizes=TINY_SIZES,
+            steps=4,
+            max_sequence_length=32,
+            controlnet=variant.controlnet,
+            lora=variant.lora,
+            description=description,
+        )
 
-def tiny_sana_controlnet(model: str = "tiny-sana-controlnet") -> WorkflowSpec:
-    return sana_workflow(
-        "tiny-sana-controlnet",
-        model,
-        sizes=TINY_SIZES,
-        steps=4,
-        max_sequence_length=32,
-        controlnet=True,
-        description="Sana ControlNet workflow with random-weight tiny components",
-    )
-
-
-def tiny_sana_lora(model: str = "tiny-sana") -> WorkflowSpec:
-    return sana_workflow(
-        "tiny-sana-lora",
-        model,
-        sizes=TINY_SIZES,
-        steps=4,
-        max_sequence_length=32,
-        lora=True,
-        description="Sana workflow with a per-request LoRA on the transformer",
-    )
-
-
-def tiny_sana_controlnet_lora(model: str = "tiny-sana-controlnet") -> WorkflowSpec:
-    return sana_workflow(
-        "tiny-sana-controlnet-lora",
-        model,
-        sizes=TINY_SIZES,
-        steps=4,
-        max_sequence_length=32,
-        controlnet=True,
-        lora=True,
-        description="Sana ControlNet workflow with a per-request LoRA on the transformer",
-    )
-
-
-BUILTIN = {
-    "tiny-sana": tiny_sana,
-    "tiny-sana-controlnet": tiny_sana_controlnet,
-    "tiny-sana-lora": tiny_sana_lora,
-    "tiny-sana-controlnet-lora": tiny_sana_controlnet_lora,
-}
-
-
-def workflows() -> list[WorkflowSpec]:
-    return [make() for make in BUILTIN.values()]
+    return variant_workflows("tiny-sana", DESCRIPTION, compose)

@@ -3,7 +3,8 @@
 
 Each class mirrors one stretch of ``diffusers/pipelines/stable_diffusion/pipeline_stable_diffusion.py``
 ("SD" below) or ``diffusers/pipelines/controlnet/pipeline_controlnet.py`` ("CN"), diffusers 0.42.1,
-so a workflow of these nodes reproduces the monolithic pipeline's image bitwise:
+so a workflow of these nodes reproduces the monolithic pipeline's image bitwise. The ControlNet-only
+nodes, ``sd.control_image`` and ``sd.controlnet``, live in :mod:`libs.models.sd_controlnet`:
 
 =========================  ========================================================================
 ModelFn (``fn_name``)      what it mirrors
@@ -12,8 +13,6 @@ ModelFn (``fn_name``)      what it mirrors
                            and the CFG layout ``torch.cat([negative_prompt_embeds, prompt_embeds])``
 ``sd.prepare_latents``     step 4 ``retrieve_timesteps`` and step 5 ``prepare_latents`` (noise from
                            ``torch.Generator().manual_seed(seed)``, times ``init_noise_sigma``)
-``sd.control_image``       CN step 4, ``prepare_image``'s ``control_image_processor.preprocess``
-``sd.controlnet``          CN step 8: the ``self.controlnet(...)`` call of one loop iteration
 ``sd.unet``                one loop iteration up to the guided ``noise_pred`` (both pipelines)
 ``sd.ddim_step``           the loop's ``self.scheduler.step(noise_pred, t, latents, eta=0)`` line
 ``sd.vae_decode``          the tail: ``vae.decode(latents / scaling_factor)``, postprocess
@@ -37,30 +36,28 @@ pipeline's generator is used by ``prepare_latents`` alone. Each ``sd.ddim_step``
 scheduler with ``set_timesteps(num_inference_steps)`` and checks it against the carried ``timesteps``.
 A PNDM checkpoint (SD1.5's default) thus gives the image of the pipeline with DDIM swapped in.
 
-ControlNet. ``sd.controlnet`` runs every step beside ``sd.unet``; both need only the previous
-step's latents. ``sd.unet`` declares the ControlNet outputs as optional callback inputs, so the same
-class serves both workflows: when bound, they arrive as ``Deferred`` and are handed to the UNet as
-:class:`~libs.models.lazy.LazyList` / :class:`~libs.models.lazy.LazyAddend`, so the fetch happens
-where ``UNet2DConditionModel.forward`` first consumes them (the ``zip`` after the down blocks, and
-``sample + mid_block_additional_residual`` after the mid block). ``guess_mode`` is CN's
-``False or controlnet.config.global_pool_conditions``.
+ControlNet (the paper, §5.2). ``sd.controlnet`` runs every step beside ``sd.unet``; both need only
+the previous step's latents. ``sd.unet`` declares the ControlNet outputs as optional callback inputs,
+so the same class serves both workflows: when bound, they arrive as ``Deferred`` and are handed to the
+UNet as lazy stand-ins (:func:`~libs.models.common.lazy_list`,
+:func:`~libs.models.common.lazy_addend`), so the fetch happens where ``UNet2DConditionModel.forward``
+first consumes them (the ``zip`` after the down blocks, and ``sample + mid_block_additional_residual``
+after the mid block).
 
 Dtypes follow the pipelines as loaded by ``from_pretrained`` without ``torch_dtype``: the prompt
 embeddings take the text encoder's dtype (``encode_prompt``), the noise the embeddings' dtype
 (``prepare_latents(..., prompt_embeds.dtype, ...)``), the control image the ControlNet's dtype.
 
 No torch, diffusers or transformers at import time: the registry reads ``signature()`` without
-them. The device is ``$T2I_DEVICE`` (default ``cpu``); noise is drawn on the CPU, as the pipeline's
-CPU generator does.
+them. ``load_model`` puts the models on the device it is given; noise is drawn on the CPU, as the
+pipeline's CPU generator does.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from libs.models.common import config_dtype as _config_dtype
-from libs.models.common import device as _device
-from libs.models.lazy import LazyAddend, LazyList
+from libs.models.common import config_dtype, lazy_addend, lazy_list, to_uint8_image, vae_scale_factor
 from libs.models.lora import LoraSwitch
 from libs.workflow.modelfn import ModelFn
 
@@ -71,13 +68,9 @@ if TYPE_CHECKING:
 # -- helpers -------------------------------------------------------------------------------------
 
 
-def _vae_scale_factor(vae_config: dict[str, Any]) -> int:
-    # SD/CN __init__: 2 ** (len(self.vae.config.block_out_channels) - 1)
-    return int(2 ** (len(vae_config["block_out_channels"]) - 1))
-
-
 def _scheduler_config(model_path: str) -> dict[str, Any]:
-    """The checkpoint's scheduler config with SD ``__init__``'s fix-ups (SD lines 214-239)."""
+    """The checkpoint's scheduler config with ``StableDiffusionPipeline.__init__``'s fix-ups of
+    outdated ``steps_offset`` and ``clip_sample``."""
     from diffusers import DDIMScheduler
 
     config = dict(DDIMScheduler.load_config(model_path, subfolder="scheduler"))
@@ -154,7 +147,7 @@ class SdTextEncoder(ModelFn):
         self.add_input("guidance_scale")
         self.add_output("prompt_embeds")
 
-    def load_model(self, model_path: str) -> dict[str, Any]:
+    def load_model(self, model_path: str, device: str) -> dict[str, Any]:
         from diffusers import UNet2DConditionModel
         from transformers import CLIPTextModel, CLIPTokenizer
 
@@ -162,7 +155,7 @@ class SdTextEncoder(ModelFn):
         text_encoder = CLIPTextModel.from_pretrained(model_path, subfolder="text_encoder")
         return {
             "tokenizer": tokenizer,
-            "text_encoder": text_encoder.to(_device()).eval(),
+            "text_encoder": text_encoder.to(device).eval(),
             "unet_config": UNet2DConditionModel.load_config(model_path, subfolder="unet"),
         }
 
@@ -212,16 +205,16 @@ class SdPrepareLatents(ModelFn):
         self.add_output("latents")
         self.add_output("timesteps")
 
-    def load_model(self, model_path: str) -> dict[str, Any]:
+    def load_model(self, model_path: str, device: str) -> dict[str, Any]:
         from diffusers import AutoencoderKL, UNet2DConditionModel
 
         unet_config = UNet2DConditionModel.load_config(model_path, subfolder="unet")
         return {
             "num_channels_latents": int(unet_config["in_channels"]),
-            "vae_scale_factor": _vae_scale_factor(AutoencoderKL.load_config(model_path, subfolder="vae")),
+            "vae_scale_factor": vae_scale_factor(AutoencoderKL.load_config(model_path, subfolder="vae")),
             "scheduler_config": _scheduler_config(model_path),
             # prepare_latents draws in prompt_embeds.dtype, i.e. the text encoder's
-            "latents_dtype": _config_dtype(model_path, "text_encoder"),
+            "latents_dtype": config_dtype(model_path, "text_encoder"),
         }
 
     def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
@@ -244,118 +237,6 @@ class SdPrepareLatents(ModelFn):
             )
             latents = latents * scheduler.init_noise_sigma
         return {"latents": latents, "timesteps": scheduler.timesteps}
-
-
-class SdControlImage(ModelFn):
-    """The control image as the ControlNet takes it: ``control_cond`` [1, 3, H, W] float32 in [0, 1].
-
-    CN ``prepare_image`` up to its ``.to(dtype=torch.float32)``; the rest (cast to the ControlNet's
-    dtype, the CFG duplication) is in ``sd.controlnet``. Its model is the *base* pipeline: the
-    processor's ``vae_scale_factor`` comes from the base VAE config."""
-
-    fn_name = "sd.control_image"
-
-    def setup_io(self) -> None:
-        self.add_input("control_image")
-        self.add_input("height")
-        self.add_input("width")
-        self.add_output("control_cond")
-
-    def load_model(self, model_path: str) -> dict[str, Any]:
-        from diffusers import AutoencoderKL
-        from diffusers.image_processor import VaeImageProcessor
-
-        factor = _vae_scale_factor(AutoencoderKL.load_config(model_path, subfolder="vae"))
-        # CN __init__: self.control_image_processor
-        processor = VaeImageProcessor(vae_scale_factor=factor, do_convert_rgb=True, do_normalize=False)
-        return {"control_image_processor": processor}
-
-    def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
-        import torch
-
-        height, width = int(inputs["height"]), int(inputs["width"])
-        processor = components["control_image_processor"]
-        image = processor.preprocess(inputs["control_image"], height=height, width=width).to(
-            dtype=torch.float32
-        )
-        return {"control_cond": image}
-
-
-class SdControlNet(ModelFn):
-    """One ControlNet step: ``down_block_res_samples`` (list, one per UNet skip connection) and
-    ``mid_block_res_sample``, in the UNet's CFG batch layout."""
-
-    fn_name = "sd.controlnet"
-
-    def setup_io(self) -> None:
-        self.add_input("latents")
-        self.add_input("timesteps")
-        self.add_input("step")
-        self.add_input("prompt_embeds")
-        self.add_input("control_cond")
-        self.add_input("control_scale")
-        self.add_output("down_block_res_samples")
-        self.add_output("mid_block_res_sample")
-
-    def load_model(self, model_path: str) -> dict[str, Any]:
-        from diffusers import ControlNetModel, DDIMScheduler
-
-        controlnet = ControlNetModel.from_pretrained(model_path)
-        # DDIM's scale_model_input is the identity whatever its config or state (module docstring).
-        return {"controlnet": controlnet.to(_device()).eval(), "scheduler": DDIMScheduler()}
-
-    def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
-        import torch
-
-        controlnet, scheduler = components["controlnet"], components["scheduler"]
-        device = controlnet.device
-        latents = inputs["latents"].to(device)
-        prompt_embeds = inputs["prompt_embeds"].to(device)
-        # CFG is on iff sd.text_encoder produced [negative, positive] (guidance_scale > 1).
-        do_cfg = prompt_embeds.shape[0] == 2 * latents.shape[0]
-        _check_cfg_batch(prompt_embeds, latents, do_cfg)
-        guess_mode = bool(
-            controlnet.config.global_pool_conditions
-        )  # CN: guess_mode or global_pool_conditions
-        timesteps, i = inputs["timesteps"].to(device), int(inputs["step"])
-        t = timesteps[i]
-        with torch.no_grad():
-            # prepare_image tail: repeat_interleave by batch 1 (identity), to the ControlNet's dtype, CFG copy
-            image = inputs["control_cond"].to(device=device, dtype=controlnet.dtype)
-            if do_cfg and not guess_mode:
-                image = torch.cat([image] * 2)
-            # 7.2 controlnet_keep with control_guidance_start=0.0, control_guidance_end=1.0
-            n = len(timesteps)
-            keep = 1.0 - float(i / n < 0.0 or (i + 1) / n > 1.0)
-            # 8. loop body up to the controlnet call
-            latent_model_input = torch.cat([latents] * 2) if do_cfg else latents
-            latent_model_input = scheduler.scale_model_input(latent_model_input, t)
-            if guess_mode and do_cfg:
-                control_model_input = scheduler.scale_model_input(latents, t)
-                controlnet_prompt_embeds = prompt_embeds.chunk(2)[1]
-            else:
-                control_model_input = latent_model_input
-                controlnet_prompt_embeds = prompt_embeds
-            cond_scale = float(inputs["control_scale"]) * keep
-            down_block_res_samples, mid_block_res_sample = controlnet(
-                control_model_input,
-                t,
-                encoder_hidden_states=controlnet_prompt_embeds,
-                controlnet_cond=image,
-                conditioning_scale=cond_scale,
-                guess_mode=guess_mode,
-                return_dict=False,
-            )
-            if guess_mode and do_cfg:
-                # "add 0 to the unconditional batch to keep it unchanged"
-                down_block_res_samples = [torch.cat([torch.zeros_like(d), d]) for d in down_block_res_samples]
-                mid_block_res_sample = torch.cat(
-                    [torch.zeros_like(mid_block_res_sample), mid_block_res_sample]
-                )
-        return {
-            "down_block_res_samples": list(down_block_res_samples),
-            "mid_block_res_sample": mid_block_res_sample,
-        }
 
 
 class SdUnet(ModelFn):
@@ -381,10 +262,10 @@ class SdUnet(ModelFn):
         self.add_input("lora_scale", optional=True)
         self.add_output("noise_pred")
 
-    def load_model(self, model_path: str) -> dict[str, Any]:
+    def load_model(self, model_path: str, device: str) -> dict[str, Any]:
         from diffusers import DDIMScheduler, UNet2DConditionModel
 
-        unet = UNet2DConditionModel.from_pretrained(model_path, subfolder="unet").to(_device()).eval()
+        unet = UNet2DConditionModel.from_pretrained(model_path, subfolder="unet").to(device).eval()
         if unet.config.time_cond_proj_dim is not None:
             raise NotImplementedError(f"{model_path}: UNets with time_cond_proj_dim (LCM) are not mirrored")
         return {
@@ -411,12 +292,9 @@ class SdUnet(ModelFn):
             raise ValueError(
                 "bind both ControlNet outputs (down_block_res_samples, mid_block_res_sample) or neither"
             )
-        if down is not None:
-            # Stand-ins: the Deferred is called where the forward first consumes the residuals.
-            fetch_down = down if callable(down) else (lambda v=down: v)
-            fetch_mid = mid if callable(mid) else (lambda v=mid: v)
-            down = LazyList(fetch_down, pick=lambda v: [d.to(device) for d in v])
-            mid = LazyAddend(lambda: fetch_mid().to(device))
+        # Stand-ins: the Deferred is called where the forward first consumes the residuals.
+        down = lazy_list(down, lambda samples: [d.to(device) for d in samples])
+        mid = lazy_addend(mid, lambda sample: sample.to(device))
 
         t = inputs["timesteps"].to(device)[int(inputs["step"])]
         with torch.no_grad():
@@ -455,7 +333,7 @@ class SdDdimStep(ModelFn):
         self.add_input("num_inference_steps")
         self.add_output("latents")
 
-    def load_model(self, model_path: str) -> dict[str, Any]:
+    def load_model(self, model_path: str, device: str) -> dict[str, Any]:
         return {"scheduler_config": _scheduler_config(model_path)}
 
     def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
@@ -485,12 +363,12 @@ class SdVaeDecode(ModelFn):
         self.add_input("latents")
         self.add_output("image")
 
-    def load_model(self, model_path: str) -> dict[str, Any]:
+    def load_model(self, model_path: str, device: str) -> dict[str, Any]:
         from diffusers import AutoencoderKL
         from diffusers.image_processor import VaeImageProcessor
 
-        vae = AutoencoderKL.from_pretrained(model_path, subfolder="vae").to(_device()).eval()
-        factor = _vae_scale_factor(dict(vae.config))
+        vae = AutoencoderKL.from_pretrained(model_path, subfolder="vae").to(device).eval()
+        factor = vae_scale_factor(vae.config)
         return {"vae": vae, "image_processor": VaeImageProcessor(vae_scale_factor=factor)}
 
     def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
@@ -501,10 +379,5 @@ class SdVaeDecode(ModelFn):
             latents = inputs["latents"].to(vae.device)
             image = vae.decode(latents / vae.config.scaling_factor, return_dict=False)[0]
             # run_safety_checker with safety_checker=None: has_nsfw_concept None -> denormalize all.
-            # postprocess(output_type="pil") is output_type="np" then numpy_to_pil's
-            # (x * 255).round().astype("uint8"); we stop before building the PIL image.
-            array = image_processor.postprocess(
-                image, output_type="np", do_denormalize=[True] * image.shape[0]
-            )
-            array = (array * 255).round().astype("uint8")
-        return {"image": torch.from_numpy(array[0].copy())}
+            denormalize = [True] * image.shape[0]
+            return {"image": to_uint8_image(image_processor, image, do_denormalize=denormalize)}

@@ -1,45 +1,46 @@
 """The Stable Diffusion 3 family as ModelFns: diffusers' SD3 pipelines cut at their seams.
 
 Each class mirrors one stretch of ``StableDiffusion3Pipeline.__call__``
-(``diffusers/pipelines/stable_diffusion_3/pipeline_stable_diffusion_3.py``, diffusers 0.42.1; "SD3 L<n>"
+(``diffusers/pipelines/stable_diffusion_3/pipeline_stable_diffusion_3.py``, diffusers 0.42.1; "SD3"
 below) or of ``StableDiffusion3ControlNetPipeline.__call__``
-(``diffusers/pipelines/controlnet_sd3/pipeline_stable_diffusion_3_controlnet.py``; "CN L<n>"), so a
+(``diffusers/pipelines/controlnet_sd3/pipeline_stable_diffusion_3_controlnet.py``; "CN"), so a
 workflow of these nodes reproduces the monolithic pipeline's image bitwise. The ControlNet-only nodes,
 ``sd3.control_image`` and ``sd3.controlnet``, live in :mod:`libs.models.sd3_controlnet`:
 
 ===========================  ====================================================================
 ModelFn (``fn_name``)        what it mirrors
 ===========================  ====================================================================
-``sd3.clip_encoder``         ``_get_clip_prompt_embeds`` for CLIP-L and CLIP-G, their concatenation
-                             in ``encode_prompt`` (SD3 L289-342, L436-450, L464, L492-506, L521-523)
-``sd3.t5_encoder``           ``_get_t5_prompt_embeds`` (SD3 L233-287, L452-457, L508-513)
-``sd3.join_prompt_embeds``   the zero-padding of the CLIP embeddings to T5's width and the
-                             sequence concatenation (SD3 L459-463, L515-520)
-``sd3.prepare_latents``      ``prepare_latents`` and the timesteps (SD3 L1001-1041, L633-662)
-``sd3.transformer``          one denoising step up to the guided ``noise_pred`` (SD3 L1066-1086;
-                             with ``block_controlnet_hidden_states``: CN L1170-1208)
-``sd3.flow_match_step``      the ``self.scheduler.step(noise_pred, t, latents)`` line (SD3 L1113)
-``sd3.vae_decode``           the tail: scale/shift, ``vae.decode``, postprocess (SD3 L1141-1144)
+``sd3.clip_encoder``         ``_get_clip_prompt_embeds`` for CLIP-L and CLIP-G and their
+                             concatenation in ``encode_prompt`` (prompt and negative prompt)
+``sd3.t5_encoder``           ``_get_t5_prompt_embeds``, called by ``encode_prompt`` for both prompts
+``sd3.join_prompt_embeds``   ``encode_prompt``'s zero-padding of the CLIP embeddings to T5's width
+                             and the sequence concatenation
+``sd3.prepare_latents``      step 4 ``prepare_latents`` and step 5, the timesteps
+``sd3.transformer``          one denoising step up to the guided ``noise_pred`` (SD3's loop body;
+                             with ``block_controlnet_hidden_states``: CN's)
+``sd3.flow_match_step``      the loop's ``self.scheduler.step(noise_pred, t, latents)`` line
+``sd3.vae_decode``           the tail: scale/shift, ``vae.decode``, postprocess
 ===========================  ====================================================================
 
-Classifier-free guidance is batched ``[uncond, cond]`` exactly as the pipeline batches it (SD3 L994-999):
-``guidance_scale > 1`` makes every embedding node emit a batch of two, negative first, and the
-transformer node doubles the latents, runs one batched forward and applies ``u + g * (c - u)``. Batch
-size and ``num_images_per_prompt`` are 1 (the platform never batches requests: batching changes the
-bits). ``prompt_2``/``prompt_3`` are the prompt, as when the pipeline is called without them; clip skip,
-skip-layer guidance, IP-Adapter and step callbacks are not mirrored.
+Classifier-free guidance is batched ``[uncond, cond]`` exactly as the pipeline batches it (SD3 step 3,
+``torch.cat([negative_prompt_embeds, prompt_embeds])``): ``guidance_scale > 1`` makes every embedding
+node emit a batch of two, negative first, and the transformer node doubles the latents, runs one
+batched forward and applies ``u + g * (c - u)``. Batch size and ``num_images_per_prompt`` are 1 (the
+platform never batches requests: batching changes the bits). ``prompt_2``/``prompt_3`` are the prompt,
+as when the pipeline is called without them; clip skip, skip-layer guidance, IP-Adapter and step
+callbacks are not mirrored.
 
 The SD3 transformer takes the raw timestep (Flux divides it by 1000; SD3 does not). The flow-match
 Euler step is stateless: ``sd3.flow_match_step`` rebuilds a fresh scheduler per call with the pipeline's
-``set_timesteps`` arguments (``mu`` only if the scheduler config asks for dynamic shifting, SD3 L1016-1028;
-SD3-medium and SD3.5 do not), checks them against the carried ``timesteps`` and pins the index with
-``set_begin_index(step)``: bitwise equal to the pipeline's stateful scheduler.
+``set_timesteps`` arguments (``mu`` only if the scheduler config asks for dynamic shifting, as in SD3's
+step 5; SD3-medium and SD3.5 do not), checks them against the carried ``timesteps`` and pins the index
+with ``set_begin_index(step)``: bitwise equal to the pipeline's stateful scheduler.
 
-ControlNet residuals. ``sd3.transformer`` declares ``sd3.controlnet``'s output ``control_block_samples``
-as an optional callback input: in a ControlNet workflow it arrives as a
-:class:`~libs.workflow.modelfn.Deferred` and is handed to the transformer as a
-:class:`~libs.models.lazy.LazyList`, so the fetch happens when the transformer's block loop first adds a
-control residual (after its first joint block), not before the forward starts.
+ControlNet residuals (the paper, §5.2). ``sd3.transformer`` declares ``sd3.controlnet``'s output
+``control_block_samples`` as an optional callback input: in a ControlNet workflow it arrives as a
+:class:`~libs.workflow.modelfn.Deferred` and is handed to the transformer as a lazy list
+(:func:`~libs.models.common.lazy_list`), so the fetch happens when the transformer's block loop first
+adds a control residual (after its first joint block), not before the forward starts.
 
 LoRA. ``sd3.transformer`` takes optional ``lora`` (a safetensors path, ``""`` = none) and
 ``lora_scale`` inputs and switches adapters with :class:`~libs.models.lora.LoraSwitch` (never fused), as
@@ -49,12 +50,12 @@ transformer. Only transformer LoRAs are served (text-encoder parts would need th
 Dtypes follow the pipeline as loaded by ``from_pretrained`` without ``torch_dtype``: transformers models
 at the dtype saved in their config, diffusers models at fp32. Values that depend on a component another
 node owns are read from that component's config: both CLIP hidden states are cast to CLIP-L's dtype
-(SD3 L332 uses ``self.text_encoder.dtype`` for both) and the noise takes ``prompt_embeds.dtype`` (the
-promotion of the CLIP and T5 dtypes by ``torch.cat``).
+(``_get_clip_prompt_embeds`` uses ``self.text_encoder.dtype`` for both) and the noise takes
+``prompt_embeds.dtype`` (the promotion of the CLIP and T5 dtypes by ``torch.cat``).
 
 This module imports no torch, diffusers or transformers at import time: the registry reads
-``signature()`` of these classes in a process without torch. The device is ``$T2I_DEVICE`` (default
-``cpu``); the noise nodes draw on the CPU, as the pipeline's CPU generator does.
+``signature()`` of these classes in a process without torch. ``load_model`` puts the models on the
+device it is given; the noise nodes draw on the CPU, as the pipeline's CPU generator does.
 """
 
 from __future__ import annotations
@@ -63,8 +64,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from libs.models.common import config_dtype as _config_dtype
-from libs.models.common import device as _device
+from libs.models.common import calculate_shift, config_dtype, lazy_list, to_uint8_image, vae_scale_factor
 from libs.workflow.modelfn import ModelFn
 
 # -- helpers ---------------------------------------------------------------------------------------
@@ -80,37 +80,27 @@ def _has_component(model_path: str, name: str) -> bool:
     return isinstance(entry, list) and entry[0] is not None
 
 
-def _vae_scale_factor(vae_config: dict[str, Any]) -> int:
-    # StableDiffusion3Pipeline.__init__ (SD3 L219)
-    return int(2 ** (len(vae_config["block_out_channels"]) - 1))
-
-
 def _do_cfg(guidance_scale: float) -> bool:
     # StableDiffusion3Pipeline.do_classifier_free_guidance: guidance_scale = 1 means no CFG
     return float(guidance_scale) > 1
 
 
-def _calculate_shift(image_seq_len: int, scheduler_config: dict[str, Any]) -> float:
-    """``mu`` as SD3 L1021-1027 computes it (note SD3's default ``max_shift`` 1.16, Flux's is 1.15)."""
-    base_seq_len = scheduler_config.get("base_image_seq_len", 256)
-    max_seq_len = scheduler_config.get("max_image_seq_len", 4096)
-    base_shift = scheduler_config.get("base_shift", 0.5)
-    max_shift = scheduler_config.get("max_shift", 1.16)
-    m = (max_shift - base_shift) / (max_seq_len - base_seq_len)
-    b = base_shift - m * base_seq_len
-    return image_seq_len * m + b
-
-
 def _set_sd3_timesteps(
     scheduler: Any, num_inference_steps: int, latent_shape: Any, patch_size: int, device: Any
 ) -> None:
-    """SD3 step 5 (L1014-1041): ``retrieve_timesteps`` without sigmas, i.e.
-    ``set_timesteps(n, device=..., [mu=...])``, ``mu`` only under dynamic shifting."""
+    """SD3 step 5: ``retrieve_timesteps`` without sigmas, i.e. ``set_timesteps(n, device=...,
+    [mu=...])``, ``mu`` only under dynamic shifting (note SD3's default ``max_shift`` 1.16; Flux's
+    is 1.15)."""
     kwargs: dict[str, Any] = {}
-    if scheduler.config.get("use_dynamic_shifting", None):
+    config = scheduler.config
+    if config.get("use_dynamic_shifting", None):
         height, width = int(latent_shape[-2]), int(latent_shape[-1])
-        kwargs["mu"] = _calculate_shift(
-            (height // patch_size) * (width // patch_size), dict(scheduler.config)
+        kwargs["mu"] = calculate_shift(
+            (height // patch_size) * (width // patch_size),
+            config.get("base_image_seq_len", 256),
+            config.get("max_image_seq_len", 4096),
+            config.get("base_shift", 0.5),
+            config.get("max_shift", 1.16),
         )
     scheduler.set_timesteps(int(num_inference_steps), device=device, **kwargs)
 
@@ -166,10 +156,9 @@ class SD3ClipEncoder(ModelFn):
         self.add_output("clip_prompt_embeds")
         self.add_output("pooled_prompt_embeds")
 
-    def load_model(self, model_path: str) -> dict[str, Any]:
+    def load_model(self, model_path: str, device: str) -> dict[str, Any]:
         from transformers import CLIPTextModelWithProjection, CLIPTokenizer
 
-        device = _device()
         encoders: list[Any] = [
             CLIPTextModelWithProjection.from_pretrained(model_path, subfolder=sub)
             for sub in ("text_encoder", "text_encoder_2")
@@ -184,10 +173,10 @@ class SD3ClipEncoder(ModelFn):
 
     @staticmethod
     def _clip_embeds(components: dict[str, Any], prompt: str, index: int) -> tuple[Any, Any]:
-        """``_get_clip_prompt_embeds(prompt, clip_model_index=index)`` (SD3 L289-342), clip_skip None."""
+        """``_get_clip_prompt_embeds(prompt, clip_model_index=index)``, clip_skip None."""
         tokenizer = components["tokenizers"][index]
         text_encoder = components["text_encoders"][index]
-        # tokenizer_max_length is the *first* tokenizer's model_max_length, for both CLIPs (SD3 L221)
+        # tokenizer_max_length is the *first* tokenizer's model_max_length, for both CLIPs (SD3 __init__)
         max_length = components["tokenizers"][0].model_max_length
         text_input_ids = tokenizer(
             [prompt], padding="max_length", max_length=max_length, truncation=True, return_tensors="pt"
@@ -213,9 +202,9 @@ class SD3ClipEncoder(ModelFn):
         with torch.no_grad():
             clip_prompt_embeds, pooled_prompt_embeds = self._encode(components, inputs["prompt"])
             if _do_cfg(inputs["guidance_scale"]):
-                negative_prompt = inputs["negative_prompt"] or ""  # SD3 L467
+                negative_prompt = inputs["negative_prompt"] or ""  # encode_prompt's default
                 negative_clip, negative_pooled = self._encode(components, negative_prompt)
-                # SD3 L998-999: [negative, prompt] along the batch
+                # SD3 step 3: [negative, prompt] along the batch
                 clip_prompt_embeds = torch.cat([negative_clip, clip_prompt_embeds], dim=0)
                 pooled_prompt_embeds = torch.cat([negative_pooled, pooled_prompt_embeds], dim=0)
         return {"clip_prompt_embeds": clip_prompt_embeds, "pooled_prompt_embeds": pooled_prompt_embeds}
@@ -223,7 +212,8 @@ class SD3ClipEncoder(ModelFn):
 
 class SD3T5Encoder(ModelFn):
     """T5: ``t5_prompt_embeds`` [B, max_sequence_length, d_T5]; B = 2 ([negative, prompt]) under CFG.
-    Zeros of the transformer's ``joint_attention_dim`` when the pipeline has no T5 (SD3 L247-256)."""
+    Zeros of the transformer's ``joint_attention_dim`` when the pipeline has no T5
+    (``_get_t5_prompt_embeds``)."""
 
     fn_name = "sd3.t5_encoder"
 
@@ -234,7 +224,8 @@ class SD3T5Encoder(ModelFn):
         self.add_input("max_sequence_length")
         self.add_output("t5_prompt_embeds")
 
-    def load_model(self, model_path: str) -> dict[str, Any]:
+    def load_model(self, model_path: str, device: str) -> dict[str, Any]:
+        import torch
         from diffusers import SD3Transformer2DModel
         from transformers import T5EncoderModel, T5TokenizerFast  # type: ignore[attr-defined]
 
@@ -243,23 +234,24 @@ class SD3T5Encoder(ModelFn):
             return {
                 "text_encoder_3": None,
                 "joint_attention_dim": int(config["joint_attention_dim"]),
-                "dtype": _config_dtype(model_path, "text_encoder"),  # dtype or self.text_encoder.dtype
+                "dtype": config_dtype(model_path, "text_encoder"),  # dtype or self.text_encoder.dtype
+                "device": torch.device(device),  # where the zeros go (the pipeline's execution device)
             }
         text_encoder_3: Any = T5EncoderModel.from_pretrained(model_path, subfolder="text_encoder_3")
         return {
             "tokenizer_3": T5TokenizerFast.from_pretrained(model_path, subfolder="tokenizer_3"),
-            "text_encoder_3": text_encoder_3.to(_device()).eval(),
+            "text_encoder_3": text_encoder_3.to(device).eval(),
         }
 
     @staticmethod
     def _t5_embeds(components: dict[str, Any], prompt: str, max_sequence_length: int) -> Any:
-        """``_get_t5_prompt_embeds`` (SD3 L233-287)."""
+        """``_get_t5_prompt_embeds``."""
         import torch
 
         text_encoder_3 = components["text_encoder_3"]
         if text_encoder_3 is None:
             shape = (1, max_sequence_length, components["joint_attention_dim"])
-            return torch.zeros(shape, device=_device(), dtype=components["dtype"])
+            return torch.zeros(shape, device=components["device"], dtype=components["dtype"])
         text_input_ids = components["tokenizer_3"](
             [prompt],
             padding="max_length",
@@ -282,13 +274,13 @@ class SD3T5Encoder(ModelFn):
             if _do_cfg(inputs["guidance_scale"]):
                 negative_prompt = inputs["negative_prompt"] or ""
                 negative = self._t5_embeds(components, negative_prompt, max_sequence_length)
-                t5_prompt_embeds = torch.cat([negative, t5_prompt_embeds], dim=0)  # SD3 L998
+                t5_prompt_embeds = torch.cat([negative, t5_prompt_embeds], dim=0)  # SD3 step 3
         return {"t5_prompt_embeds": t5_prompt_embeds}
 
 
 class SD3JoinPromptEmbeds(ModelFn):
     """``prompt_embeds`` [B, 77 + max_sequence_length, d_T5]: the CLIP embeddings zero-padded to T5's
-    width, followed by T5's along the sequence (SD3 L459-463). Pure data movement: no weights."""
+    width, followed by T5's along the sequence (``encode_prompt``). Pure data movement: no weights."""
 
     fn_name = "sd3.join_prompt_embeds"
 
@@ -304,7 +296,7 @@ class SD3JoinPromptEmbeds(ModelFn):
         clip_prompt_embeds = clip_prompt_embeds.to(t5_prompt_embeds.device)
         with torch.no_grad():
             # Row i of a batched pad/cat is the pad/cat of row i: the [negative, prompt] batch built by the
-            # encoders equals the pipeline's per-prompt joins concatenated at L998.
+            # encoders equals the pipeline's per-prompt joins concatenated in its step 3.
             clip_prompt_embeds = torch.nn.functional.pad(
                 clip_prompt_embeds, (0, t5_prompt_embeds.shape[-1] - clip_prompt_embeds.shape[-1])
             )
@@ -329,21 +321,21 @@ class SD3PrepareLatents(ModelFn):
         self.add_output("latents")
         self.add_output("timesteps")
 
-    def load_model(self, model_path: str) -> dict[str, Any]:
+    def load_model(self, model_path: str, device: str) -> dict[str, Any]:
         import torch
         from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
 
         transformer_config = SD3Transformer2DModel.load_config(model_path, subfolder="transformer")
-        clip_dtype = _config_dtype(model_path, "text_encoder")
+        clip_dtype = config_dtype(model_path, "text_encoder")
         t5_dtype = (
-            _config_dtype(model_path, "text_encoder_3")
+            config_dtype(model_path, "text_encoder_3")
             if _has_component(model_path, "text_encoder_3")
             else clip_dtype
         )
         return {
             "num_channels_latents": int(transformer_config["in_channels"]),
             "patch_size": int(transformer_config["patch_size"]),
-            "vae_scale_factor": _vae_scale_factor(AutoencoderKL.load_config(model_path, subfolder="vae")),
+            "vae_scale_factor": vae_scale_factor(AutoencoderKL.load_config(model_path, subfolder="vae")),
             "scheduler_config": FlowMatchEulerDiscreteScheduler.load_config(
                 model_path, subfolder="scheduler"
             ),
@@ -359,7 +351,7 @@ class SD3PrepareLatents(ModelFn):
         height, width = int(inputs["height"]), int(inputs["width"])
         factor = components["vae_scale_factor"]
         multiple = factor * components["patch_size"]
-        if height % multiple or width % multiple:  # check_inputs (SD3 L554-561)
+        if height % multiple or width % multiple:  # check_inputs
             raise ValueError(
                 f"`height` and `width` have to be divisible by {multiple} but are {height} and {width}."
             )
@@ -394,35 +386,30 @@ class SD3Transformer(ModelFn):
         self.add_input("lora_scale", optional=True)
         self.add_output("noise_pred")
 
-    def load_model(self, model_path: str) -> dict[str, Any]:
+    def load_model(self, model_path: str, device: str) -> dict[str, Any]:
         from diffusers import SD3Transformer2DModel
 
         from libs.models.lora import LoraSwitch
 
         transformer = SD3Transformer2DModel.from_pretrained(model_path, subfolder="transformer")
-        transformer = transformer.to(_device()).eval()
+        transformer = transformer.to(device).eval()
         return {"transformer": transformer, "loras": LoraSwitch(transformer, _load_sd3_lora)}
 
     def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
         import torch
 
-        from libs.models.lazy import LazyList
-        from libs.workflow.modelfn import Deferred
-
         transformer = components["transformer"]
         device = transformer.device
         # Every call selects its adapter, so a warm instance never leaks one request's LoRA into the next.
         components["loras"].use(inputs.get("lora") or None, float(inputs.get("lora_scale", 1.0)))
-        control = inputs.get("control_block_samples")
-        if isinstance(control, Deferred):
-            # Fetched when the block loop first reads it (after joint block 0), not now.
-            control = LazyList(control, pick=lambda samples: [s.to(device) for s in samples])
-        elif control is not None:
-            control = [s.to(device) for s in control]
+        # Fetched when the block loop first reads it (after joint block 0), not now.
+        control = lazy_list(
+            inputs.get("control_block_samples"), lambda samples: [s.to(device) for s in samples]
+        )
         guidance_scale = float(inputs["guidance_scale"])
         latents = inputs["latents"].to(device)
         with torch.no_grad():
-            # expand the latents if we are doing classifier free guidance (SD3 L1067)
+            # expand the latents if we are doing classifier free guidance
             latent_model_input = torch.cat([latents] * 2) if _do_cfg(guidance_scale) else latents
             t = inputs["timesteps"].to(device)[int(inputs["step"])]
             timestep = t.expand(latent_model_input.shape[0])  # SD3 does not divide by 1000
@@ -435,7 +422,7 @@ class SD3Transformer(ModelFn):
                 joint_attention_kwargs=None,
                 return_dict=False,
             )[0]
-            if _do_cfg(guidance_scale):  # perform guidance (SD3 L1084-1086)
+            if _do_cfg(guidance_scale):  # perform guidance
                 noise_pred_uncond, noise_pred_text = noise_pred.chunk(2)
                 noise_pred = noise_pred_uncond + guidance_scale * (noise_pred_text - noise_pred_uncond)
         return {"noise_pred": noise_pred}
@@ -454,7 +441,7 @@ class SD3FlowMatchStep(ModelFn):
         self.add_input("num_inference_steps")
         self.add_output("latents")
 
-    def load_model(self, model_path: str) -> dict[str, Any]:
+    def load_model(self, model_path: str, device: str) -> dict[str, Any]:
         from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
 
         transformer_config = SD3Transformer2DModel.load_config(model_path, subfolder="transformer")
@@ -484,7 +471,7 @@ class SD3FlowMatchStep(ModelFn):
                     f"timesteps do not match a {steps}-step schedule for latents of {tuple(latents.shape)}"
                 )
             scheduler.set_begin_index(step)
-            # compute the previous noisy sample x_t -> x_t-1 (SD3 L1113)
+            # compute the previous noisy sample x_t -> x_t-1
             latents = scheduler.step(noise_pred, timesteps[step], latents, return_dict=False)[0]
         return {"latents": latents}
 
@@ -499,14 +486,14 @@ class SD3VaeDecode(ModelFn):
         self.add_input("latents")
         self.add_output("image")
 
-    def load_model(self, model_path: str) -> dict[str, Any]:
+    def load_model(self, model_path: str, device: str) -> dict[str, Any]:
         from diffusers import AutoencoderKL
         from diffusers.image_processor import VaeImageProcessor
 
-        vae = AutoencoderKL.from_pretrained(model_path, subfolder="vae").to(_device()).eval()
+        vae = AutoencoderKL.from_pretrained(model_path, subfolder="vae").to(device).eval()
         return {
             "vae": vae,
-            "image_processor": VaeImageProcessor(vae_scale_factor=_vae_scale_factor(vae.config)),
+            "image_processor": VaeImageProcessor(vae_scale_factor=vae_scale_factor(vae.config)),
         }
 
     def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
@@ -516,8 +503,4 @@ class SD3VaeDecode(ModelFn):
         with torch.no_grad():
             latents = (inputs["latents"].to(vae.device) / vae.config.scaling_factor) + vae.config.shift_factor
             image = vae.decode(latents, return_dict=False)[0]
-            # postprocess(output_type="pil") is postprocess(output_type="np") then numpy_to_pil's
-            # (x * 255).round().astype("uint8"); we stop before building the PIL image.
-            array = image_processor.postprocess(image, output_type="np")
-            array = (array * 255).round().astype("uint8")
-        return {"image": torch.from_numpy(array[0].copy())}
+            return {"image": to_uint8_image(image_processor, image)}

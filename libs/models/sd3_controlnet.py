@@ -2,22 +2,23 @@
 
 Each class mirrors one stretch of ``StableDiffusion3ControlNetPipeline.__call__``
 (``diffusers/pipelines/controlnet_sd3/pipeline_stable_diffusion_3_controlnet.py``, diffusers 0.42.1;
-"CN L<n>" below). The rest of that pipeline is ``StableDiffusion3Pipeline``'s, served by the nodes of
+"CN" below). The rest of that pipeline is ``StableDiffusion3Pipeline``'s, served by the nodes of
 :mod:`libs.models.sd3` (``sd3.transformer`` takes this module's block samples as a callback input), so a
 ControlNet workflow of both modules' nodes reproduces the monolithic pipeline's image bitwise:
 
 ===========================  ====================================================================
 ModelFn (``fn_name``)        what it mirrors
 ===========================  ====================================================================
-``sd3.control_image``        step 3 of the ControlNet pipeline: ``prepare_image`` and the VAE
-                             encoding of the control image (CN L1057-1078, L680-712)
-``sd3.controlnet``           the ControlNet call of one step (CN L1128-1147, L1175-1193)
+``sd3.control_image``        CN step 3: ``prepare_image`` and the VAE encoding of the control
+                             image
+``sd3.controlnet``           the ControlNet call of one step of CN's loop (``controlnet_keep``,
+                             the pooled projections it sees, ``self.controlnet(...)``)
 ===========================  ====================================================================
 
-ControlNet. ``sd3.controlnet`` runs as its own node every step, in parallel with ``sd3.transformer``,
+ControlNet (the paper, §5.2). ``sd3.controlnet`` runs as its own node every step, in parallel with ``sd3.transformer``,
 which fetches its ``control_block_samples`` mid-forward (see :mod:`libs.models.sd3`). The ControlNet sees
 ``prompt_embeds`` (if it has a context embedder) and zero pooled projections when its config sets
-``force_zeros_for_pooled_projection`` (InstantX ControlNets), else ``pooled_prompt_embeds`` (CN L1137-1147).
+``force_zeros_for_pooled_projection`` (InstantX ControlNets), else ``pooled_prompt_embeds``.
 Classifier-free guidance batches ``[uncond, cond]`` here as in the base nodes.
 
 Two RNG facts of the ControlNet pipeline. (1) It VAE-encodes the control image *doubled for CFG* and
@@ -28,7 +29,7 @@ noise comes from the request's ``generator``; nothing else draws from the global
 pipeline gives the same image when called as ``torch.manual_seed(seed); pipe(...,
 generator=torch.Generator().manual_seed(seed))``, which is what the tests do. (2) The shift subtracted from
 the control latents is 0 for ``force_zeros_for_pooled_projection`` ControlNets and the VAE's
-``shift_factor`` otherwise (CN L1058-1062). That flag lives in the ControlNet's config while the VAE lives
+``shift_factor`` otherwise (CN step 3). That flag lives in the ControlNet's config while the VAE lives
 in the base model, so the workflow binds it as a constant to ``sd3.control_image`` and to
 ``sd3.controlnet``, which checks it against its own config and refuses a mismatch.
 
@@ -37,15 +38,16 @@ cast to the transformer's dtype (fp32, as diffusers models load).
 
 This module imports no torch, diffusers or transformers at import time: the registry reads
 ``signature()`` of these classes in a process without torch. The helpers it shares with the base nodes
-(device, VAE scale factor, CFG test) are :mod:`libs.models.sd3`'s. The device is ``$T2I_DEVICE``
-(default ``cpu``).
+(CFG test) are :mod:`libs.models.sd3`'s, the platform helpers :mod:`libs.models.common`'s.
+``load_model`` puts the models on the device it is given.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from libs.models.sd3 import _device, _do_cfg, _vae_scale_factor
+from libs.models.common import vae_scale_factor
+from libs.models.sd3 import _do_cfg
 from libs.workflow.modelfn import ModelFn
 
 
@@ -67,14 +69,14 @@ class SD3ControlImage(ModelFn):
         self.add_input("force_zeros_for_pooled_projection")
         self.add_output("control_latents")
 
-    def load_model(self, model_path: str) -> dict[str, Any]:
+    def load_model(self, model_path: str, device: str) -> dict[str, Any]:
         from diffusers import AutoencoderKL
         from diffusers.image_processor import VaeImageProcessor
 
-        vae = AutoencoderKL.from_pretrained(model_path, subfolder="vae").to(_device()).eval()
+        vae = AutoencoderKL.from_pretrained(model_path, subfolder="vae").to(device).eval()
         return {
             "vae": vae,
-            "image_processor": VaeImageProcessor(vae_scale_factor=_vae_scale_factor(vae.config)),
+            "image_processor": VaeImageProcessor(vae_scale_factor=vae_scale_factor(vae.config)),
         }
 
     def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
@@ -85,17 +87,17 @@ class SD3ControlImage(ModelFn):
         if height % 8 != 0 or width % 8 != 0:  # the ControlNet pipeline's check_inputs
             raise ValueError(f"`height` and `width` have to be divisible by 8 but are {height} and {width}.")
         with torch.no_grad():
-            # prepare_image (CN L680-712) with batch_size 1: resize + normalise, cast to the transformer's
+            # prepare_image with batch_size 1: resize + normalise, cast to the transformer's
             # dtype (fp32: diffusers models load in fp32), doubled for CFG before the VAE sees it.
             image = image_processor.preprocess(inputs["control_image"], height=height, width=width)
             image = image.repeat_interleave(1, dim=0).to(device=vae.device, dtype=torch.float32)
             if _do_cfg(inputs["guidance_scale"]):
                 image = torch.cat([image] * 2)
-            # CN L1077 samples from the global RNG; a private generator seeded with `seed` draws the same
+            # CN's vae.encode(...).latent_dist.sample() draws from the global RNG; a private generator seeded with `seed` draws the same
             # numbers as the global RNG right after torch.manual_seed(seed) (module docstring).
             generator = torch.Generator(device="cpu").manual_seed(int(inputs["seed"]))
             control_latents = vae.encode(image).latent_dist.sample(generator=generator)
-            # CN L1058-1062, L1078: InstantX-style ControlNets do not apply the shift factor
+            # CN step 3: InstantX-style ControlNets do not apply the shift factor
             shift = 0 if inputs["force_zeros_for_pooled_projection"] else vae.config.shift_factor
             control_latents = (control_latents - shift) * vae.config.scaling_factor
         return {"control_latents": control_latents}
@@ -121,14 +123,14 @@ class SD3ControlNet(ModelFn):
         self.add_input("force_zeros_for_pooled_projection", optional=True)
         self.add_output("control_block_samples")
 
-    def load_model(self, model_path: str) -> dict[str, Any]:
+    def load_model(self, model_path: str, device: str) -> dict[str, Any]:
         from diffusers import SD3ControlNetModel
 
         controlnet = SD3ControlNetModel.from_pretrained(model_path)
         if not controlnet.config.use_pos_embed:
             # The pipeline's __init__ then borrows the base transformer's pos_embed (SD3.5 8b ControlNets).
             raise NotImplementedError(f"{model_path}: ControlNets without their own pos_embed are not served")
-        return {"controlnet": controlnet.to(_device()).eval()}
+        return {"controlnet": controlnet.to(device).eval()}
 
     def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
         import torch
@@ -148,14 +150,14 @@ class SD3ControlNet(ModelFn):
         with torch.no_grad():
             latent_model_input = torch.cat([latents] * 2) if _do_cfg(inputs["guidance_scale"]) else latents
             timestep = timesteps[i].expand(latent_model_input.shape[0])
-            # 6. controlnet_keep for a single ControlNet (CN L1128-1135), then cond_scale (CN L1178-1181)
+            # CN step 6: controlnet_keep for a single ControlNet, then the loop's cond_scale
             start = float(inputs.get("control_guidance_start", 0.0))
             end = float(inputs.get("control_guidance_end", 1.0))
             n = len(timesteps)
             keep = 1.0 - float(i / n < start or (i + 1) / n > end)
             cond_scale = float(inputs["control_scale"]) * keep
             pooled_prompt_embeds = inputs["pooled_prompt_embeds"].to(device)
-            if config.force_zeros_for_pooled_projection:  # CN L1137-1147
+            if config.force_zeros_for_pooled_projection:  # CN step 6
                 controlnet_pooled_projections = torch.zeros_like(pooled_prompt_embeds)
             else:
                 controlnet_pooled_projections = pooled_prompt_embeds

@@ -1,4 +1,4 @@
-"""Stable Diffusion 3 workflows, composed from the ``sd3.*`` ModelFns (paper Fig. 7).
+"""Stable Diffusion 3 workflows, composed from the ``sd3.*`` ModelFns (the paper, §4, Fig. 7).
 
 * ``tiny-sd3``: CLIP pair and T5 as parallel nodes, the join of their embeddings, latent
   preparation, the transformer (CFG batched ``[uncond, cond]`` inside) then the flow-match Euler step
@@ -12,13 +12,15 @@ The base nodes of all four name the same model (``tiny-sd3``), so one warm trans
 the ControlNet node names the standalone ControlNet (``tiny-sd3-controlnet``). The components are
 random-weight models built from configs (:func:`libs.models.tiny_sd3.build`); the same compositions serve
 real checkpoints by pointing ``model``/``controlnet`` at them (pass the ControlNet's
-``force_zeros_for_pooled_projection``: ``sd3.controlnet`` refuses a value its config contradicts).
+``force_zeros_for_pooled_projection``: ``sd3.controlnet`` refuses a value its config contradicts). The
+four variants come from :func:`libs.models.common.variant_workflows`.
 
 This module imports no torch: composing only records names and references.
 """
 
 from __future__ import annotations
 
+from libs.models.common import Variant, controlnet_params, lora_params, variant_workflows
 from libs.models.sd3 import (
     SD3ClipEncoder,
     SD3FlowMatchStep,
@@ -46,20 +48,15 @@ MODELFNS: list[type[ModelFn]] = [
 ]
 
 TINY_SIZES = ["128x128", "64x64", "256x256", "128x64", "64x128"]
+DESCRIPTION = "tiny SD3 (random-weight CLIP-L/G + T5, MMDiT with CFG, VAE)"
 
 
 def sd3_params(
-    *,
-    width: int,
-    height: int,
-    steps: int,
-    max_sequence_length: int,
-    guidance_scale: float = 7.0,
-    lora: bool = False,
-    controlnet: bool = False,
+    *, width: int, height: int, steps: int, max_sequence_length: int, guidance_scale: float = 7.0
 ) -> dict[str, ParamSpec]:
-    """The parameters of an SD3 workflow; defaults follow ``StableDiffusion3Pipeline.__call__``'s
-    (guidance 7.0, ``controlnet_conditioning_scale`` 1.0) except size, steps and sequence length."""
+    """The parameters of the basic SD3 workflow (:func:`sd3_workflow` adds a variant's); defaults
+    follow ``StableDiffusion3Pipeline.__call__``'s (guidance 7.0) except size, steps and sequence
+    length."""
     params = {
         "prompt": ParamSpec(type="str", required=True, max_length=4000, description="what to draw"),
         "negative_prompt": ParamSpec(type="str", default="", max_length=4000, description="what not to draw"),
@@ -76,16 +73,6 @@ def sd3_params(
         ),
         "max_sequence_length": ParamSpec(type="int", default=max_sequence_length, minimum=1, maximum=512),
     }
-    if controlnet:
-        params["control_image"] = ParamSpec(
-            type="image", required=True, description="the ControlNet's condition"
-        )
-        params["control_scale"] = ParamSpec(
-            type="float", default=1.0, minimum=0.0, maximum=2.0, description="controlnet_conditioning_scale"
-        )
-    if lora:
-        params["lora"] = ParamSpec(type="lora", default="", description="a registered LoRA ('' = none)")
-        params["lora_scale"] = ParamSpec(type="float", default=1.0, minimum=-4.0, maximum=4.0)
     return params
 
 
@@ -111,14 +98,11 @@ def sd3_workflow(
     transformer = SD3Transformer(model, id="transformer")
     euler = SD3FlowMatchStep(model, id="euler")
     vae = SD3VaeDecode(model, id="vae")
-    params = sd3_params(
-        width=width,
-        height=height,
-        steps=steps,
-        max_sequence_length=max_sequence_length,
-        lora=lora,
-        controlnet=controlnet is not None,
-    )
+    params = sd3_params(width=width, height=height, steps=steps, max_sequence_length=max_sequence_length)
+    if controlnet is not None:
+        params.update(controlnet_params())
+    if lora:
+        params.update(lora_params())
     with Workflow(name, params=params, sizes=sizes, description=description) as wf:
         clip()  # prompt, negative_prompt, guidance_scale: bound by name to the parameters
         t5()  # ... and max_sequence_length
@@ -145,56 +129,18 @@ def sd3_workflow(
     return wf.spec()
 
 
-def tiny_sd3(model: str = "tiny-sd3") -> WorkflowSpec:
-    return sd3_workflow(
-        "tiny-sd3",
-        model,
-        sizes=TINY_SIZES,
-        description="SD3-style workflow with random-weight tiny components (CLIP-L/G + T5, MMDiT, VAE)",
-    )
+def workflows(model: str = "tiny-sd3", controlnet: str = "tiny-sd3-controlnet") -> list[WorkflowSpec]:
+    """The tiny SD3 family: plain, with ControlNet, LoRA or both, composed on the tiny models' names
+    (:func:`libs.models.tiny_sd3.build` builds them)."""
 
+    def compose(name: str, variant: Variant, description: str) -> WorkflowSpec:
+        return sd3_workflow(
+            name,
+            model,
+            sizes=TINY_SIZES,
+            controlnet=controlnet if variant.controlnet else None,
+            lora=variant.lora,
+            description=description,
+        )
 
-def tiny_sd3_controlnet(model: str = "tiny-sd3", controlnet: str = "tiny-sd3-controlnet") -> WorkflowSpec:
-    return sd3_workflow(
-        "tiny-sd3-controlnet",
-        model,
-        sizes=TINY_SIZES,
-        controlnet=controlnet,
-        description="tiny-sd3 with an SD3 ControlNet beside the transformer every step",
-    )
-
-
-def tiny_sd3_lora(model: str = "tiny-sd3") -> WorkflowSpec:
-    return sd3_workflow(
-        "tiny-sd3-lora",
-        model,
-        sizes=TINY_SIZES,
-        lora=True,
-        description="tiny-sd3 with a per-request transformer LoRA",
-    )
-
-
-def tiny_sd3_controlnet_lora(
-    model: str = "tiny-sd3", controlnet: str = "tiny-sd3-controlnet"
-) -> WorkflowSpec:
-    return sd3_workflow(
-        "tiny-sd3-controlnet-lora",
-        model,
-        sizes=TINY_SIZES,
-        controlnet=controlnet,
-        lora=True,
-        description="tiny-sd3 with an SD3 ControlNet and a per-request transformer LoRA",
-    )
-
-
-BUILTIN = {
-    "tiny-sd3": tiny_sd3,
-    "tiny-sd3-controlnet": tiny_sd3_controlnet,
-    "tiny-sd3-lora": tiny_sd3_lora,
-    "tiny-sd3-controlnet-lora": tiny_sd3_controlnet_lora,
-}
-
-
-def workflows() -> list[WorkflowSpec]:
-    """The built-in SD3 workflows, composed on the tiny models' names."""
-    return [make() for make in BUILTIN.values()]
+    return variant_workflows("tiny-sd3", DESCRIPTION, compose)

@@ -1,7 +1,8 @@
-"""Stable Diffusion 1.5 workflows, composed from the ``sd.*`` ModelFns (paper Fig. 7).
+"""Stable Diffusion 1.5 workflows, composed from the ``sd.*`` ModelFns (the paper, §4, Fig. 7).
 
 Four workflows over the random-weight family of :mod:`libs.models.tiny_sd` (the same compositions
-serve a real SD1.5 checkpoint and ControlNet by pointing ``model``/``controlnet`` at them):
+serve a real SD1.5 checkpoint and ControlNet by pointing ``model``/``controlnet`` at them), generated
+as the four variants of :func:`libs.models.common.variant_workflows`:
 
 * ``tiny-sd15``: text encoder (prompt and negative prompt, CFG), latent preparation, per step the
   UNet then the DDIM step, VAE decode.
@@ -17,15 +18,9 @@ This module imports no torch: composing only records names and references.
 
 from __future__ import annotations
 
-from libs.models.sd import (
-    SdControlImage,
-    SdControlNet,
-    SdDdimStep,
-    SdPrepareLatents,
-    SdTextEncoder,
-    SdUnet,
-    SdVaeDecode,
-)
+from libs.models.common import Variant, controlnet_params, lora_params, variant_workflows
+from libs.models.sd import SdDdimStep, SdPrepareLatents, SdTextEncoder, SdUnet, SdVaeDecode
+from libs.models.sd_controlnet import SdControlImage, SdControlNet
 from libs.workflow.compose import Value, Workflow
 from libs.workflow.modelfn import ModelFn
 from libs.workflow.spec import ParamSpec, WorkflowSpec
@@ -41,12 +36,12 @@ MODELFNS: list[type[ModelFn]] = [
 ]
 
 TINY_SIZES = ["64x64", "128x128", "64x128", "128x64"]
+DESCRIPTION = "tiny SD1.5 (random-weight CLIP, UNet with CFG, DDIM, VAE)"
 
 
-def sd_params(
-    *, width: int, height: int, steps: int, lora: bool = False, control: bool = False
-) -> dict[str, ParamSpec]:
-    params = {
+def sd_params(*, width: int, height: int, steps: int) -> dict[str, ParamSpec]:
+    """The parameters of the basic workflow (:func:`sd_workflow` adds a variant's)."""
+    return {
         "prompt": ParamSpec(type="str", required=True, max_length=4000, description="what to draw"),
         "negative_prompt": ParamSpec(type="str", default="", max_length=4000, description="what not to draw"),
         "seed": ParamSpec(type="int", default=0, minimum=0, description="seed of the initial noise"),
@@ -58,16 +53,6 @@ def sd_params(
         # StableDiffusionPipeline's default; > 1 turns classifier-free guidance on
         "guidance_scale": ParamSpec(type="float", default=7.5, minimum=0.0, maximum=30.0),
     }
-    if lora:
-        params["lora"] = ParamSpec(type="lora", default="", description="a UNet LoRA adapter")
-        params["lora_scale"] = ParamSpec(type="float", default=1.0, minimum=0.0, maximum=2.0)
-    if control:
-        params["control_image"] = ParamSpec(
-            type="image", required=True, description="the ControlNet's condition"
-        )
-        # StableDiffusionControlNetPipeline's controlnet_conditioning_scale default
-        params["control_scale"] = ParamSpec(type="float", default=1.0, minimum=0.0, maximum=2.0)
-    return params
 
 
 def sd_workflow(
@@ -90,7 +75,11 @@ def sd_workflow(
     vae = SdVaeDecode(model, id="vae")
     control_image = SdControlImage(model, id="control_image") if controlnet else None
     control = SdControlNet(controlnet, id="controlnet") if controlnet else None
-    params = sd_params(width=width, height=height, steps=steps, lora=lora, control=controlnet is not None)
+    params = sd_params(width=width, height=height, steps=steps)
+    if controlnet:
+        params.update(controlnet_params())
+    if lora:
+        params.update(lora_params())
     with Workflow(name, params=params, sizes=sizes, description=description) as wf:
         text_encoder()  # prompt, negative_prompt, guidance_scale: bound by name to the parameters
         init = prepare()  # seed, height, width, num_inference_steps
@@ -110,55 +99,18 @@ def sd_workflow(
     return wf.spec()
 
 
-def tiny_sd15(model: str = "tiny-sd15") -> WorkflowSpec:
-    return sd_workflow(
-        "tiny-sd15",
-        model,
-        sizes=TINY_SIZES,
-        description="SD1.5-style workflow (CLIP, UNet with CFG, DDIM, VAE) with random-weight tiny components",
-    )
+def workflows(model: str = "tiny-sd15", controlnet: str = "tiny-sd15-controlnet") -> list[WorkflowSpec]:
+    """The tiny SD1.5 family: plain, with ControlNet, LoRA or both; model names are folders under the
+    executors' model root (:func:`libs.models.tiny_sd.build` builds them)."""
 
+    def compose(name: str, variant: Variant, description: str) -> WorkflowSpec:
+        return sd_workflow(
+            name,
+            model,
+            controlnet=controlnet if variant.controlnet else None,
+            lora=variant.lora,
+            sizes=TINY_SIZES,
+            description=description,
+        )
 
-def tiny_sd15_controlnet(model: str = "tiny-sd15", controlnet: str = "tiny-sd15-controlnet") -> WorkflowSpec:
-    return sd_workflow(
-        "tiny-sd15-controlnet",
-        model,
-        controlnet=controlnet,
-        sizes=TINY_SIZES,
-        description="tiny-sd15 with a ControlNet run beside the UNet every step",
-    )
-
-
-def tiny_sd15_lora(model: str = "tiny-sd15") -> WorkflowSpec:
-    return sd_workflow(
-        "tiny-sd15-lora",
-        model,
-        lora=True,
-        sizes=TINY_SIZES,
-        description="tiny-sd15 with a per-request UNet LoRA (e.g. loras/tiny-sd15-style.safetensors)",
-    )
-
-
-def tiny_sd15_controlnet_lora(
-    model: str = "tiny-sd15", controlnet: str = "tiny-sd15-controlnet"
-) -> WorkflowSpec:
-    return sd_workflow(
-        "tiny-sd15-controlnet-lora",
-        model,
-        controlnet=controlnet,
-        lora=True,
-        sizes=TINY_SIZES,
-        description="tiny-sd15 with a ControlNet and a per-request UNet LoRA",
-    )
-
-
-BUILTIN = {
-    "tiny-sd15": tiny_sd15,
-    "tiny-sd15-controlnet": tiny_sd15_controlnet,
-    "tiny-sd15-lora": tiny_sd15_lora,
-    "tiny-sd15-controlnet-lora": tiny_sd15_controlnet_lora,
-}
-
-
-def workflows() -> list[WorkflowSpec]:
-    return [make() for make in BUILTIN.values()]
+    return variant_workflows("tiny-sd15", DESCRIPTION, compose)

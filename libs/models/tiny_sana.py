@@ -12,7 +12,7 @@
 Every folder gets a manifest (``t2i-model.json``) written last, and the LoRA a sidecar manifest
 (``tiny-sana-style.json``) written after the file; an existing output whose manifest matches is
 left alone, so the build is idempotent. Folders are built in a temporary sibling and renamed into
-place, so an interrupted build never looks complete (the mechanics are :mod:`libs.models.builds`').
+place, so an interrupted build never looks complete (the mechanics are :mod:`libs.models.build_utils`').
 
 What the components are, and why:
 
@@ -47,7 +47,14 @@ import os
 from pathlib import Path
 from typing import Any
 
-from libs.models.builds import MANIFEST, build_file, build_folder, random_lora_, read_manifest, sidecar_path
+from libs.models.build_utils import (
+    MANIFEST,
+    build_file,
+    build_folder,
+    random_lora_,
+    read_manifest,
+    sidecar_path,
+)
 
 FAMILY = "sana"
 PRESET = "tiny"

@@ -19,7 +19,7 @@ leave the UNet unchanged.
 Each artifact is built into a temporary sibling and renamed into place; its manifest
 (``t2i-model.json`` in a folder, ``<stem>.t2i-model.json`` beside the LoRA file) is written last, so
 an interrupted build never looks complete, and a complete one is left alone (idempotent; the
-mechanics are :mod:`libs.models.builds`').
+mechanics are :mod:`libs.models.build_utils`').
 
 Sizes: the UNet has two blocks of 16/32 channels, the VAE two blocks (scale factor 2), the text
 encoder hidden size 32. A 64x64, 3-step image with CFG takes a few tens of milliseconds.
@@ -31,8 +31,16 @@ import os
 from pathlib import Path
 from typing import Any
 
-from libs.models.builds import MANIFEST, build_file, build_folder, random_lora_, randomize_, sidecar_path
-from libs.models.builds import read_manifest as read_manifest  # re-exported: tests read manifests
+from libs.models.build_utils import (
+    MANIFEST,
+    build_file,
+    build_folder,
+    clip_tokenizer,
+    random_lora_,
+    randomize_,
+    sidecar_path,
+)
+from libs.models.build_utils import read_manifest as read_manifest  # re-exported: tests read manifests
 
 FAMILY = "sd15"
 BASE = "tiny-sd15"
@@ -62,8 +70,6 @@ def sd_pipeline(seed: int = 0) -> Any:
     import torch
     from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel
-
-    from libs.models.tiny import clip_tokenizer
 
     torch.manual_seed(seed)
     tokenizer = clip_tokenizer()

@@ -14,7 +14,7 @@
   with peft's ``LoraConfig``, exported with ``get_peft_model_state_dict`` and saved with the
   pipeline's ``save_lora_weights`` (adapter metadata included).
 
-Tokenizers are the in-memory ones of :mod:`libs.models.tiny` (both CLIPs share the CLIP vocabulary;
+Tokenizers are the in-memory ones of :mod:`libs.models.build_utils` (both CLIPs share the CLIP vocabulary;
 ids 0/1 are bos/eos, matching the text configs, since CLIP pools at the eos id).
 
 Dimensions mirror SD3's layout at toy size: CLIP-L hidden 16 and CLIP-G hidden 32 are concatenated
@@ -36,7 +36,7 @@ metadata says otherwise rather than produce a silently different image).
 Each artifact is built into a temporary sibling and renamed into place; its manifest
 (``t2i-model.json`` in a folder, ``<stem>.t2i-model.json`` beside the LoRA file) is written last, so an
 interrupted build never looks complete, and a complete one is left alone (idempotent; the mechanics
-are :mod:`libs.models.builds`').
+are :mod:`libs.models.build_utils`').
 """
 
 from __future__ import annotations
@@ -45,8 +45,17 @@ import os
 from pathlib import Path
 from typing import Any
 
-from libs.models.builds import MANIFEST, build_file, build_folder, random_lora_, randomize_, sidecar_path
-from libs.models.builds import read_manifest as read_manifest  # re-exported: tests read manifests
+from libs.models.build_utils import (
+    MANIFEST,
+    build_file,
+    build_folder,
+    clip_tokenizer,
+    random_lora_,
+    randomize_,
+    sidecar_path,
+    t5_tokenizer,
+)
+from libs.models.build_utils import read_manifest as read_manifest  # re-exported: tests read manifests
 
 FAMILY = "sd3"
 BASE = "tiny-sd3"
@@ -131,8 +140,6 @@ def sd3_pipeline(seed: int = 0) -> Any:
         StableDiffusion3Pipeline,
     )
     from transformers import T5Config, T5EncoderModel
-
-    from libs.models.tiny import clip_tokenizer, t5_tokenizer
 
     torch.manual_seed(seed)
     tokenizer, tokenizer_2, tokenizer_3 = clip_tokenizer(), clip_tokenizer(), t5_tokenizer()

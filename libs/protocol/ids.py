@@ -11,6 +11,7 @@ only change.
 | ``AttemptRef`` | ``{request_id}/{attempt}`` | one attempt at a request: the arena group its tensors belong to |
 | ``NodeRef`` | ``{request_id}/{attempt}/{node_id}`` | one node of one attempt (dispatches, heartbeats' ``running``) |
 | ``TensorRef`` | ``{request_id}/{attempt}/{node_id}/{output}`` | one output tensor (``TensorMeta.tensor_id``) |
+| ``TensorRef`` of a list item | ``{request_id}/{attempt}/{node_id}/{output}#{index}`` | element ``index`` of a list-valued output |
 | ``CallbackRef`` | ``{request_id}/{attempt}/{node_id}:{input}`` | one pending callback input of a running node |
 | ``ModelKey`` | ``{fn}|{model}`` | a loaded model on an executor (heartbeats' ``resident``) |
 | ``image_object`` | ``{request_id}/{name}.png`` | a workflow output in the images bucket |
@@ -90,23 +91,36 @@ class NodeRef:
 
 @dataclass(frozen=True, slots=True, order=True)
 class TensorRef:
-    """One output tensor of one node: the ``tensor_id`` of its ``TensorMeta``."""
+    """One output tensor of one node: the ``tensor_id`` of its ``TensorMeta``.
+
+    A list-valued output (a ControlNet's block samples) is stored one tensor per element; element
+    ``i`` is ``item=i`` (``-1``: the output itself).
+    """
 
     node: NodeRef
     output: str
+    item: int = -1
+
+    def at(self, index: int) -> TensorRef:
+        """Element ``index`` of this list-valued output."""
+        return TensorRef(self.node, self.output, index)
 
     def encode(self) -> str:
-        return f"{self.node.encode()}/{self.output}"
+        base = f"{self.node.encode()}/{self.output}"
+        return base if self.item < 0 else f"{base}#{self.item}"
 
     @classmethod
     def decode(cls, raw: str) -> TensorRef:
         head, sep, output = raw.rpartition("/")
-        if not sep or not output:
-            raise ValueError(f"tensor reference {raw!r} is not 'request_id/attempt/node_id/output'")
+        output, hash_, index = output.partition("#")
+        if not sep or not output or (hash_ and not index.isdigit()):
+            raise ValueError(f"tensor reference {raw!r} is not 'request_id/attempt/node_id/output[#index]'")
         try:
-            return cls(NodeRef.decode(head), output)
+            return cls(NodeRef.decode(head), output, int(index) if hash_ else -1)
         except ValueError:
-            raise ValueError(f"tensor reference {raw!r} is not 'request_id/attempt/node_id/output'") from None
+            raise ValueError(
+                f"tensor reference {raw!r} is not 'request_id/attempt/node_id/output[#index]'"
+            ) from None
 
     def __str__(self) -> str:
         return self.encode()

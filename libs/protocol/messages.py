@@ -126,6 +126,11 @@ class CallbackReady(_Msg, tag="callback_ready"):
     input: str
     meta: TensorMeta | list[TensorMeta]
 
+    @property
+    def ref(self) -> NodeRef:
+        """The consuming node."""
+        return NodeRef(self.request_id, self.attempt, self.node_id)
+
 
 class Ack(_Msg, tag="ack"):
     ok: bool = True

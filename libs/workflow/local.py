@@ -16,24 +16,32 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from libs.common.paths import resolve_model_path
+from libs.protocol.ids import ModelKey
 from libs.workflow import catalog
 from libs.workflow.dag import Const, DagNode, ImageSource, LoraSource, TensorSource, unroll
 from libs.workflow.errors import ParamError
 from libs.workflow.modelfn import Deferred, ModelFn
 from libs.workflow.params import resolve_params
+from libs.workflow.paths import resolve_model_path
 from libs.workflow.spec import WorkflowSpec, walk
 from libs.workflow.validate import validate_spec
 
 
 class LocalRunner:
-    """Keeps ModelFn instances and loaded components across runs, as an executor would."""
+    """Keeps ModelFn instances and loaded components across runs, as an executor would; models load
+    onto ``device`` (``ModelFn.load_model(model_path, device)``)."""
 
-    def __init__(self, model_root: Path | str, classes: Mapping[str, type[ModelFn]] | None = None) -> None:
+    def __init__(
+        self,
+        model_root: Path | str,
+        classes: Mapping[str, type[ModelFn]] | None = None,
+        device: str = "cpu",
+    ) -> None:
         self.model_root = Path(model_root)
         self.classes = dict(classes or {})
+        self.device = device
         self._instances: dict[str, ModelFn] = {}
-        self._components: dict[str, dict[str, Any]] = {}
+        self._components: dict[ModelKey, dict[str, Any]] = {}
 
     def _class(self, fn: str) -> type[ModelFn]:
         if fn not in self.classes:
@@ -69,9 +77,10 @@ class LocalRunner:
             inst = self._instances.get(node.fn)
             if inst is None:
                 inst = self._instances[node.fn] = self._class(node.fn)()
-            key = f"{node.fn}|{node.model}"
+            key = ModelKey(node.fn, node.model)
             if key not in self._components:
-                self._components[key] = inst.load_model(resolve_model_path(node.model, self.model_root))
+                path = resolve_model_path(node.model, self.model_root)
+                self._components[key] = inst.load_model(path, self.device)
             kwargs: dict[str, Any] = {}
             for name, src in node.inputs.items():
                 if isinstance(src, Const):

@@ -4,8 +4,10 @@ A developer subclasses :class:`ModelFn` and implements three methods:
 
 * ``setup_io()`` declares the inputs (``add_input(name, callback=False)``) and outputs
   (``add_output(name)``) by name. The platform infers the workflow DAG from these names.
-* ``load_model(model_path)`` loads the model's components once per executor and returns them as a
-  dict; the executor keeps them and passes them to every ``execute`` call.
+* ``load_model(model_path, device)`` loads the model's components once per executor onto ``device``
+  (a torch device string such as ``"cpu"`` or ``"cuda:0"``) and returns them as a dict; the executor
+  keeps them and passes them to every ``execute`` call (code in ``execute`` that needs the device
+  beyond its models' own reads it from there).
 * ``execute(components, **inputs)`` runs one invocation and returns a dict with one entry per
   declared output. It must be deterministic given its inputs (seeds arrive as inputs), because the
   platform may retry a node and expects the same bytes.
@@ -23,10 +25,11 @@ Implementations import torch inside ``load_model``/``execute`` (or in modules on
 
 from __future__ import annotations
 
+import contextvars
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import msgspec
 
@@ -102,8 +105,10 @@ class ModelFn:
         """Declare inputs and outputs with :meth:`add_input` and :meth:`add_output`."""
         raise NotImplementedError(f"{type(self).__name__} must implement setup_io()")
 
-    def load_model(self, model_path: str) -> dict[str, Any]:
-        """Load this function's model components from ``model_path``; called once per executor."""
+    def load_model(self, model_path: str, device: str) -> dict[str, Any]:
+        """Load this function's model components from ``model_path`` onto ``device`` (a torch device
+        string, e.g. ``"cpu"`` or ``"cuda:0"``); called once per executor. The components are passed
+        to every ``execute`` call; keep the device among them if ``execute`` needs it."""
         return {}
 
     def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
@@ -155,6 +160,17 @@ class ModelFn:
 
     def __call__(self, **bindings: Any) -> Any:
         """Record one invocation in the workflow being composed (see ``compose.Workflow``)."""
-        from libs.workflow.compose import current_workflow
+        recorder = RECORDER.get()
+        if recorder is None:
+            raise CompositionError("a ModelFn is called outside `with Workflow(...)`: nothing to record it in")
+        return recorder.call(self, bindings)
 
-        return current_workflow().call(self, bindings)
+
+class Recorder(Protocol):
+    """What a ModelFn call records into: the workflow being composed (``compose.Workflow``)."""
+
+    def call(self, fn: ModelFn, bindings: dict[str, Any]) -> Any: ...
+
+
+#: The workflow being composed in this context; ``compose.Workflow`` sets it inside ``with``.
+RECORDER: contextvars.ContextVar[Recorder | None] = contextvars.ContextVar("t2i_workflow", default=None)

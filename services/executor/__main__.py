@@ -1,24 +1,24 @@
-"""``python -m services.executor``: one executor process (one accelerator)."""
+"""``python -m services.executor``: one executor process (one accelerator), or many simulated ones."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import re
 import socket
 import time
+from contextlib import AsyncExitStack
 from pathlib import Path
 
 from libs.common.config import load_config
 from libs.common.jetstream import ensure_images_bucket
 from libs.common.logs import setup_logging
 from libs.common.nats_conn import connect
-from libs.common.runner import close_quietly, run_service
-from libs.common.settings import CommonSettings, common_settings
+from libs.common.service import main, own
+from libs.common.settings import common_settings
 from libs.protocol.subjects import Subjects
 from libs.workflow import catalog
 from services.executor.config import ExecutorConfig
-from services.executor.service import ExecutorService
+from services.executor.service import ExecutorGroup, ExecutorService
 
 
 def _safe_id(raw: str) -> str:
@@ -30,20 +30,19 @@ def _pow2_at_least(n: int) -> int:
     return 1 << max(n - 1, 1).bit_length()
 
 
-async def main() -> None:
-    common = common_settings()
+async def build(stack: AsyncExitStack) -> ExecutorGroup:
     cfg = load_config(ExecutorConfig, "T2I_EXECUTOR_")
     if cfg.mode == "sim":
-        await run_simulated(common, cfg)
-    elif cfg.mode == "real":
-        await run_real(common, cfg)
-    else:
-        raise SystemExit(f"T2I_EXECUTOR_MODE must be 'real' or 'sim', not {cfg.mode!r}")
+        return await build_simulated(stack, cfg)
+    if cfg.mode == "real":
+        return await build_real(stack, cfg)
+    raise SystemExit(f"T2I_EXECUTOR_MODE must be 'real' or 'sim', not {cfg.mode!r}")
 
 
-async def run_real(common: CommonSettings, cfg: ExecutorConfig) -> None:
+async def build_real(stack: AsyncExitStack, cfg: ExecutorConfig) -> ExecutorGroup:
+    common = common_settings()
     executor_id = _safe_id(cfg.id or f"exec-{socket.gethostname()}-{os.getpid()}")
-    log = setup_logging(f"executor[{executor_id}]", common.log_level)
+    setup_logging(f"executor[{executor_id}]", common.log_level)
     t0 = time.perf_counter()
     import torch  # heavy: after logging is up, so the start-up cost is visible
 
@@ -52,7 +51,6 @@ async def run_real(common: CommonSettings, cfg: ExecutorConfig) -> None:
     from services.executor.runtime import ModelCache, NodeRunner
 
     torch.set_num_threads(cfg.threads)
-    os.environ.setdefault("T2I_DEVICE", cfg.device)
     transport = make_transport(
         cfg.transport,
         namespace=common.namespace,
@@ -60,84 +58,66 @@ async def run_real(common: CommonSettings, cfg: ExecutorConfig) -> None:
         capacity=_pow2_at_least(cfg.arena_mb << 20),
         host=cfg.host,
     )
+    stack.callback(transport.close)  # last: after the service stopped using the arena
     store = TensorStore(executor_id, transport, alloc_timeout=cfg.alloc_timeout_s)
     runner = NodeRunner(store, ModelCache(Path(cfg.model_root), cfg.device), cfg.device)
     nc = await connect(common.nats_url, f"executor-{executor_id}")
+    own(stack, nc.drain, "nats")
     subjects = Subjects(common.namespace)
-    images = await ensure_images_bucket(nc.jetstream(), subjects)
-    kind = "cuda" if cfg.device.startswith("cuda") else "cpu"
     service = ExecutorService(
         executor_id=executor_id,
-        kind=kind,
+        kind="cuda" if cfg.device.startswith("cuda") else "cpu",
         nc=nc,
         subjects=subjects,
         store=store,
         runner=runner,
-        images=images,
+        images=await ensure_images_bucket(nc.jetstream(), subjects),
         fns=catalog.names(),
         heartbeat_s=cfg.heartbeat_s,
     )
-    await service.start()
-    log.info(
-        "executor ready in %.1fs: %s, %d threads, %s arena of %d MiB at %s",
-        time.perf_counter() - t0,
-        cfg.device,
-        cfg.threads,
-        transport.kind,
-        transport.arena.capacity >> 20,
-        transport.address,
+    ready = (
+        f"executor ready in {time.perf_counter() - t0:.1f}s: {cfg.device}, {cfg.threads} threads, "
+        f"{transport.kind} arena of {transport.arena.capacity >> 20} MiB at {transport.address}"
     )
-    try:
-        await run_service(service.heartbeat_loop())
-    finally:
-        await close_quietly(service.stop(), "service")
-        await close_quietly(nc.drain(), "nats")
-        del runner, store
-        transport.close()
+    return ExecutorGroup([service], ready)
 
 
-async def run_simulated(common: CommonSettings, cfg: ExecutorConfig) -> None:
+async def build_simulated(stack: AsyncExitStack, cfg: ExecutorConfig) -> ExecutorGroup:
     """``sim_count`` simulated executors in this process, on one NATS connection, without torch."""
     from libs.sim.profile import load_profile
     from services.executor.sim import SimRunner, SimStore
 
+    common = common_settings()
     base = _safe_id(cfg.id or f"sim-{socket.gethostname()}-{os.getpid()}")
-    log = setup_logging(f"executor[{base}]", common.log_level)
+    setup_logging(f"executor[{base}]", common.log_level)
     profile = load_profile(cfg.sim_profile)
     nc = await connect(common.nats_url, f"executor-{base}")
+    own(stack, nc.drain, "nats")
     subjects = Subjects(common.namespace)
     images = await ensure_images_bucket(nc.jetstream(), subjects)
-    services = []
+    members = []
     for i in range(cfg.sim_count):
         eid = f"{base}-{i}" if cfg.sim_count > 1 else base
         store = SimStore(eid, _pow2_at_least(cfg.arena_mb << 20))
-        service = ExecutorService(
-            executor_id=eid,
-            kind="sim",
-            nc=nc,
-            subjects=subjects,
-            store=store,
-            runner=SimRunner(profile, store, cfg.sim_time_scale),
-            images=images,
-            fns=catalog.names(),
-            heartbeat_s=cfg.heartbeat_s,
+        members.append(
+            ExecutorService(
+                executor_id=eid,
+                kind="sim",
+                nc=nc,
+                subjects=subjects,
+                store=store,
+                runner=SimRunner(profile, store, cfg.sim_time_scale),
+                images=images,
+                fns=catalog.names(),
+                heartbeat_s=cfg.heartbeat_s,
+            )
         )
-        await service.start()
-        services.append(service)
-    log.info(
-        "executor ready: %d simulated %s executors (profile %s, time scale %g)",
-        cfg.sim_count,
-        profile.device,
-        profile.name,
-        cfg.sim_time_scale,
+    ready = (
+        f"executor ready: {cfg.sim_count} simulated {profile.device} executors "
+        f"(profile {profile.name}, time scale {cfg.sim_time_scale:g})"
     )
-    try:
-        await run_service(*(s.heartbeat_loop() for s in services))
-    finally:
-        for s in services:
-            await close_quietly(s.stop(), "service")
-        await close_quietly(nc.drain(), "nats")
+    return ExecutorGroup(members, ready)
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    main(build)

@@ -15,7 +15,7 @@ class ExecutorConfig(msgspec.Struct, forbid_unknown_fields=True):
     host: str = "127.0.0.1"  # address the tcp transport binds and advertises
     heartbeat_s: float = 1.0
     alloc_timeout_s: float = 30.0  # how long a full arena makes an output wait before failing
-    # Simulation (issue 3): "sim" replays profiled times instead of computing (no torch needed).
+    # Simulation: "sim" replays profiled times instead of computing (no torch needed).
     mode: str = "real"  # "real" | "sim"
     sim_count: int = 1  # simulated executors (GPUs) in this process
     sim_profile: str = "paper-h800"  # a shipped profile name (libs/sim/profiles) or a JSON path

@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from libs.errors import T2IError
-from libs.protocol.tensor_meta import TensorMeta
 from libs.protocol.messages import NodeTiming
+from libs.protocol.tensor_meta import TensorMeta
 
 
 class NodeError(T2IError):

@@ -3,9 +3,15 @@
 This is the torch side of the executor; it runs in the executor's single worker thread so the
 asyncio loop stays free for heartbeats and releases. Everything a node needs arrives in its
 ``Dispatch``: constants, and tensor metadata that the data plane turns into tensors (a zero-copy
-view when the producer was this executor, a one-sided pull into our arena otherwise, §5.2).
+view when the producer was this executor, a one-sided pull into our arena otherwise, paper §5.2).
 Inputs declared ``callback=True`` arrive as :class:`~libs.workflow.modelfn.Deferred` and are pulled
 only when ``execute`` reaches the point that needs them.
+
+A node runs in three steps (:meth:`NodeRunner.run_sync`): ``_bind_inputs``, ``_execute``,
+``_store_outputs``. What a step acquires is handed to an ``ExitStack`` as it is acquired, so every
+way out of the run, success or failure, gives it back: pulled input copies are freed, callback
+deliveries for the node are forgotten, and outputs already stored are discarded when a later output
+(or its PNG) fails.
 """
 
 from __future__ import annotations
@@ -17,16 +23,17 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from libs.common.paths import resolve_model_path
 from libs.dataplane.errors import DataPlaneError, TransportError
-from libs.protocol.tensor_meta import TensorMeta, check_meta
-from libs.dataplane.store import TensorStore
+from libs.dataplane.store import Lease, TensorStore
+from libs.errors import is_retryable
+from libs.protocol.errors import BadTensorMetaError
+from libs.protocol.ids import ModelKey, NodeRef
 from libs.protocol.messages import (
     ConstInput,
     Dispatch,
@@ -36,20 +43,15 @@ from libs.protocol.messages import (
     PendingInput,
     TensorInput,
     TensorListInput,
-    tensor_id,
 )
+from libs.protocol.tensor_meta import TensorMeta
 from libs.workflow import catalog
 from libs.workflow.modelfn import Deferred, ModelFn
+from libs.workflow.paths import resolve_model_path
 from services.executor.callbacks import CallbackBox
 from services.executor.outcome import NodeError, NodeOutcome, Png
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _FetchStats:
-    seconds: float = 0.0
-    nbytes: int = 0  # pulled from other executors (local inputs are zero-copy views)
 
 
 class ModelCache:
@@ -59,7 +61,7 @@ class ModelCache:
         self.root = root
         self.device = device
         self._fns: dict[str, ModelFn] = {}
-        self._components: dict[str, dict[str, Any]] = {}
+        self._components: dict[ModelKey, dict[str, Any]] = {}
         self._lock = threading.Lock()
 
     def fn(self, name: str) -> ModelFn:
@@ -73,8 +75,11 @@ class ModelCache:
         return inst
 
     def components(self, fn: str, model: str) -> tuple[dict[str, Any], float]:
-        """The loaded components of ``fn`` for ``model`` and the seconds spent loading (0 if resident)."""
-        key = f"{fn}|{model}"
+        """The loaded components of ``fn`` for ``model`` and the seconds spent loading (0 if resident).
+
+        The ModelFn loads them onto this executor's device: ``load_model(model_path, device)``.
+        """
+        key = ModelKey(fn, model)
         comps = self._components.get(key)
         if comps is not None:
             return comps, 0.0
@@ -82,7 +87,7 @@ class ModelCache:
         path = resolve_model_path(model, self.root)
         t0 = time.perf_counter()
         try:
-            comps = inst.load_model(path)
+            comps = inst.load_model(path, self.device)
         except (OSError, ValueError) as e:
             raise NodeError(f"{fn} cannot load model {model!r} (from {path!r}): {e}") from e
         load_s = time.perf_counter() - t0
@@ -91,9 +96,10 @@ class ModelCache:
         log.info("loaded %s in %.2fs", key, load_s)
         return comps, load_s
 
-    def resident(self) -> list[str]:
+    def resident(self) -> list[ModelKey]:
+        """The loaded models, in the order of their encoded keys."""
         with self._lock:
-            return sorted(self._components)
+            return sorted(self._components, key=ModelKey.encode)
 
 
 def decode_image(data: bytes | None, name: str) -> Any:
@@ -128,6 +134,58 @@ def encode_png(image: torch.Tensor) -> Png:
     return Png(buf.getvalue(), width=arr.shape[1], height=arr.shape[0])
 
 
+class _Fetches:
+    """The inputs one node run pulls: the leases it holds (closed when the run ends, however it
+    ends), the tensors to release at their producers after a success, and the time and bytes the
+    pulls took."""
+
+    __slots__ = ("runner", "node", "leases", "reads", "seconds", "nbytes")
+
+    def __init__(self, runner: NodeRunner, node: NodeRef) -> None:
+        self.runner = runner
+        self.node = node
+        self.leases: list[Lease] = []
+        self.reads: list[TensorMeta] = []
+        self.seconds = 0.0
+        self.nbytes = 0  # pulled from other executors (local inputs are zero-copy views)
+
+    def pull(self, meta: TensorMeta) -> torch.Tensor:
+        runner = self.runner
+        t0 = time.perf_counter()
+        try:
+            lease = runner.store.open(meta)  # validates the metadata first
+        except TransportError as e:
+            raise NodeError(f"input {meta.tensor_id}: {e}", retryable=True, unreachable=meta.executor) from e
+        except (DataPlaneError, BadTensorMetaError) as e:
+            raise NodeError(f"input {meta.tensor_id}: {e}", retryable=is_retryable(e)) from e
+        self.leases.append(lease)
+        tensor = lease.tensor
+        if tensor.device != runner.device:
+            tensor = tensor.to(runner.device, non_blocking=False)
+        self.seconds += time.perf_counter() - t0
+        if meta.executor != runner.store.executor_id:
+            self.nbytes += meta.nbytes
+        return tensor
+
+    def pull_any(self, value: TensorMeta | list[TensorMeta]) -> Any:
+        metas = value if isinstance(value, list) else [value]
+        self.reads.extend(metas)
+        tensors = [self.pull(m) for m in metas]
+        return tensors if isinstance(value, list) else tensors[0]
+
+    def wait_pending(self, name: str) -> Any:
+        t0 = time.perf_counter()
+        value = self.runner.callbacks.wait(self.node.callback(name), self.runner.callback_timeout_s)
+        self.seconds += time.perf_counter() - t0  # waiting for the producer: not compute
+        return self.pull_any(value)
+
+    def close(self) -> None:
+        """Free the pulled copies (zero-copy views of our own tensors hold nothing)."""
+        for lease in self.leases:
+            lease.close()
+        self.leases.clear()
+
+
 class NodeRunner:
     """Runs dispatched nodes for real, one at a time, in one worker thread (``run``), so the
     executor's asyncio loop stays free for heartbeats and releases."""
@@ -150,12 +208,8 @@ class NodeRunner:
     async def run(self, d: Dispatch, blobs: dict[str, bytes] | None = None) -> NodeOutcome:
         return await asyncio.get_running_loop().run_in_executor(self._pool, self.run_sync, d, blobs or {})
 
-    def resident(self) -> list[str]:
+    def resident(self) -> list[ModelKey]:
         return self.models.resident()
-
-    def _put(self, tid: str, value: torch.Tensor, consumers: int, group: str) -> TensorMeta:
-        self.store.release(tid, count=1 << 30)  # a retried node replaces its earlier output
-        return self.store.put(tid, value, consumers=consumers, group=group)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
@@ -165,93 +219,95 @@ class NodeRunner:
             torch.cuda.synchronize(self.device)
 
     def run_sync(self, d: Dispatch, blobs: dict[str, bytes] | None = None) -> NodeOutcome:
-        blobs = blobs or {}
-        fn = self.models.fn(d.fn)
-        declared = fn.inputs
-        missing = [n for n in declared if n not in d.inputs and n not in fn.optional]
-        unknown = [n for n in d.inputs if n not in declared]
-        if missing or unknown:
-            raise NodeError(f"{d.fn} got inputs {sorted(d.inputs)}, declares {sorted(declared)}")
-        components, load_s = self.models.components(d.fn, d.model)
+        """Run ``d`` in this thread: check its inputs, load its model, then bind, execute and store.
 
-        leases: list[Any] = []
-        reads: list[TensorMeta] = []
-        fetch = _FetchStats()
-
-        def pull(meta: TensorMeta) -> torch.Tensor:
-            t0 = time.perf_counter()
+        Raises NodeError when the node fails; what the run acquired is given back either way.
+        """
+        node = d.ref
+        with ExitStack() as run:
+            run.callback(self.callbacks.forget, node)  # deliveries it never asked for, however it ends
+            fn = self.models.fn(d.fn)
+            declared = fn.inputs
+            missing = [n for n in declared if n not in d.inputs and n not in fn.optional]
+            unknown = [n for n in d.inputs if n not in declared]
+            if missing or unknown:
+                raise NodeError(f"{d.fn} got inputs {sorted(d.inputs)}, declares {sorted(declared)}")
+            components, load_s = self.models.components(d.fn, d.model)
+            fetches = _Fetches(self, node)
+            run.callback(fetches.close)
             try:
-                lease = self.store.open(check_meta(meta))
-            except TransportError as e:
-                raise NodeError(
-                    f"input {meta.tensor_id}: {e}", retryable=True, unreachable=meta.executor
-                ) from e
-            except DataPlaneError as e:
-                raise NodeError(f"input {meta.tensor_id}: {e}", retryable=e.retryable) from e
-            leases.append(lease)
-            tensor = lease.tensor
-            if tensor.device != self.device:
-                tensor = tensor.to(self.device, non_blocking=False)
-            fetch.seconds += time.perf_counter() - t0
-            if meta.executor != self.store.executor_id:
-                fetch.nbytes += meta.nbytes
-            return tensor
-
-        def pull_any(value: TensorMeta | list[TensorMeta]) -> Any:
-            metas = value if isinstance(value, list) else [value]
-            reads.extend(metas)
-            tensors = [pull(m) for m in metas]
-            return tensors if isinstance(value, list) else tensors[0]
-
-        def wait_pending(name: str) -> Any:
+                inputs, deferred = self._bind_inputs(d, declared, blobs or {}, fetches)
+                outs, exec_s = self._execute(fn, components, inputs, fetches)
+            except NodeError:
+                raise
+            except torch.OutOfMemoryError as e:
+                raise NodeError(f"{d.fn} ran out of memory: {e}", retryable=True) from e
+            except Exception as e:  # noqa: BLE001 - a ModelFn bug fails the node, not the executor
+                raise NodeError(f"{d.fn}.execute raised {type(e).__name__}: {e}") from e
+            if not isinstance(outs, dict):
+                raise NodeError(f"{d.fn}.execute returned {type(outs).__name__}, not a dict of outputs")
+            for dfr, meta in deferred:  # callback inputs execute never asked for: done with too
+                if not dfr.fetched:
+                    fetches.reads.extend(meta if isinstance(meta, list) else [meta])
+            stored: list[str] = []  # tensor ids put so far: discarded if the run fails after all
+            run.push(functools.partial(self._discard_on_failure, stored))
             t0 = time.perf_counter()
-            value = self.callbacks.wait(CallbackBox.key(d.key, name), self.callback_timeout_s)
-            fetch.seconds += time.perf_counter() - t0  # waiting for the producer: not compute
-            return pull_any(value)
+            metas, pngs = self._store_outputs(d, node, outs, stored)
+            store_s = time.perf_counter() - t0
+            timing = NodeTiming(
+                load_s=load_s, fetch_s=fetches.seconds, exec_s=max(exec_s, 0.0), store_s=store_s
+            )
+            return NodeOutcome(
+                outputs=metas, pngs=pngs, timing=timing, bytes_in=fetches.nbytes, reads=fetches.reads
+            )
 
+    def _bind_inputs(
+        self, d: Dispatch, declared: dict[str, bool], blobs: dict[str, bytes], fetches: _Fetches
+    ) -> tuple[dict[str, Any], list[tuple[Deferred, TensorMeta | list[TensorMeta]]]]:
+        """The keyword arguments of ``execute``, and the callback inputs among them (not yet pulled)."""
         inputs: dict[str, Any] = {}
-        deferred: dict[str, tuple[Deferred, Any]] = {}
+        deferred: list[tuple[Deferred, TensorMeta | list[TensorMeta]]] = []
+        for name, inp in d.inputs.items():
+            match inp:
+                case ConstInput(value=value):
+                    inputs[name] = value
+                case LoraInput(path=path):
+                    inputs[name] = resolve_model_path(path, self.models.root)
+                case ImageInput(name=obj):
+                    inputs[name] = decode_image(blobs.get(obj), obj)
+                case PendingInput():  # producer still running: wait only when execute asks
+                    inputs[name] = Deferred(name, functools.partial(fetches.wait_pending, name))
+                case TensorInput(meta=meta) | TensorListInput(metas=meta):
+                    if declared[name]:  # callback input: fetched when execute reaches it (paper §5.2)
+                        dfr = Deferred(name, functools.partial(fetches.pull_any, meta))
+                        deferred.append((dfr, meta))
+                        inputs[name] = dfr
+                    else:
+                        inputs[name] = fetches.pull_any(meta)
+        return inputs, deferred
+
+    def _execute(
+        self, fn: ModelFn, components: dict[str, Any], inputs: dict[str, Any], fetches: _Fetches
+    ) -> tuple[Any, float]:
+        """``fn.execute`` on ``inputs`` (dropped afterwards) and its compute seconds."""
         try:
-            for name, inp in d.inputs.items():
-                match inp:
-                    case ConstInput(value=value):
-                        inputs[name] = value
-                    case LoraInput(path=path):
-                        inputs[name] = resolve_model_path(path, self.models.root)
-                    case ImageInput(name=obj):
-                        inputs[name] = decode_image(blobs.get(obj), obj)
-                    case PendingInput():  # producer still running: wait only when execute asks
-                        inputs[name] = Deferred(name, functools.partial(wait_pending, name))
-                    case TensorInput(meta=meta) | TensorListInput(metas=meta):
-                        if declared[name]:  # callback input: fetched when execute reaches it (§5.2)
-                            deferred[name] = (Deferred(name, functools.partial(pull_any, meta)), meta)
-                            inputs[name] = deferred[name][0]
-                        else:
-                            inputs[name] = pull_any(meta)
-            fetch_s_before = fetch.seconds
+            fetch_s_before = fetches.seconds
             self._sync()
             t0 = time.perf_counter()
             with torch.no_grad():
                 outs = fn.execute(components, **inputs)
             self._sync()
             # Callback fetches happen inside execute; count them as transfer, not compute.
-            exec_s = time.perf_counter() - t0 - (fetch.seconds - fetch_s_before)
-        except NodeError:
-            raise
-        except torch.OutOfMemoryError as e:
-            raise NodeError(f"{d.fn} ran out of memory: {e}", retryable=True) from e
-        except Exception as e:  # noqa: BLE001 - a ModelFn bug fails the node, not the executor
-            raise NodeError(f"{d.fn}.execute raised {type(e).__name__}: {e}") from e
+            return outs, time.perf_counter() - t0 - (fetches.seconds - fetch_s_before)
         finally:
             inputs.clear()
 
-        if not isinstance(outs, dict):
-            raise NodeError(f"{d.fn}.execute returned {type(outs).__name__}, not a dict of outputs")
-        for dfr, meta in deferred.values():  # callback inputs execute never asked for: done with too
-            if not dfr.fetched:
-                reads.extend(meta if isinstance(meta, list) else [meta])
-        t0 = time.perf_counter()
-        group = f"{d.request_id}/{d.attempt}"
+    def _store_outputs(
+        self, d: Dispatch, node: NodeRef, outs: dict[str, Any], stored: list[str]
+    ) -> tuple[dict[str, TensorMeta | list[TensorMeta]], dict[str, Png]]:
+        """Each output kept for its consumers in the arena (its id appended to ``stored``) and/or
+        encoded as a PNG for its sink."""
+        group = node.attempt_ref.encode()
         metas: dict[str, TensorMeta | list[TensorMeta]] = {}
         pngs: dict[str, Png] = {}
         for plan in d.outputs:
@@ -262,22 +318,33 @@ class NodeRunner:
                     f"{d.fn}.execute returned no tensor (or list of tensors) for output {plan.name!r}"
                 )
             if plan.consumers > 0:
-                tid = tensor_id(d.request_id, d.attempt, d.node_id, plan.name)
+                ref = node.output(plan.name)
                 try:
                     if isinstance(value, list | tuple):  # a list output: one tensor each, in order
                         metas[plan.name] = [
-                            self._put(f"{tid}#{i}", v, plan.consumers, group) for i, v in enumerate(value)
+                            self._put(ref.at(i).encode(), v, plan.consumers, group, stored)
+                            for i, v in enumerate(value)
                         ]
                     else:
-                        metas[plan.name] = self._put(tid, value, plan.consumers, group)
+                        metas[plan.name] = self._put(ref.encode(), value, plan.consumers, group, stored)
                 except DataPlaneError as e:
-                    raise NodeError(f"storing {plan.name}: {e}", retryable=e.retryable) from e
+                    raise NodeError(f"storing {plan.name}: {e}", retryable=is_retryable(e)) from e
             if plan.sink:
                 pngs[plan.name] = encode_png(value)
-        store_s = time.perf_counter() - t0
-        for lease in leases:
-            lease.close()
-        leases.clear()
-        self.callbacks.forget(d.key)
-        timing = NodeTiming(load_s=load_s, fetch_s=fetch.seconds, exec_s=max(exec_s, 0.0), store_s=store_s)
-        return NodeOutcome(outputs=metas, pngs=pngs, timing=timing, bytes_in=fetch.nbytes, reads=reads)
+        return metas, pngs
+
+    def _put(
+        self, tid: str, value: torch.Tensor, consumers: int, group: str, stored: list[str]
+    ) -> TensorMeta:
+        self.store.discard(tid)  # a retried node replaces its earlier output
+        meta = self.store.put(tid, value, consumers=consumers, group=group)
+        stored.append(tid)
+        return meta
+
+    def _discard_on_failure(
+        self, stored: list[str], exc_type: type[BaseException] | None, exc: object, tb: object
+    ) -> None:
+        """An exit callback of the run: outputs of a node that failed are never read; free them."""
+        if exc_type is not None:
+            for tid in stored:
+                self.store.discard(tid)

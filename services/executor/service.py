@@ -5,7 +5,7 @@ a time in a worker thread; the asyncio loop answers dispatches, releases and hea
 A dispatch is accepted with an ``Ack`` carrying the heartbeat sequence number, so the scheduler
 can tell a lost completion from a slow one. After a node succeeds the executor uploads workflow
 images to the object store, tells producers it has read their tensors (they free them at the last
-reader, §5.2), and publishes ``NodeComplete`` with output metadata and measured times.
+reader, paper §5.2), and publishes ``NodeComplete`` with output metadata and measured times.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from nats.aio.msg import Msg
 from nats.js.object_store import ObjectStore
 
 from libs.common.retry import retry
+from libs.protocol.ids import AttemptRef, ModelKey, NodeRef
 from libs.protocol.messages import (
     Ack,
     CallbackReady,
@@ -52,7 +53,7 @@ class Runner(Protocol):
 
     async def run(self, d: Dispatch, blobs: dict[str, bytes] | None = None) -> NodeOutcome: ...
 
-    def resident(self) -> list[str]: ...
+    def resident(self) -> list[ModelKey]: ...
 
     def close(self) -> None: ...
 
@@ -65,6 +66,8 @@ class Store(Protocol):
     def stats(self) -> dict[str, Any]: ...
 
     def release(self, tensor_id: str, count: int = 1) -> bool: ...
+
+    def discard(self, tensor_id: str) -> bool: ...
 
     def release_group(self, group: str) -> int: ...
 
@@ -93,10 +96,11 @@ class ExecutorService:
         self.fns = fns
         self.heartbeat_s = heartbeat_s
         self.seq = 0
-        self.current: str | None = None  # node key being run
+        self.current: NodeRef | None = None  # the node being run
         self.started_at = time.time()
         self.nodes_run = 0
-        self._attempts: dict[str, set[int]] = defaultdict(set)  # request id -> attempts with tensors here
+        # request id -> its attempts that ran here (their tensors and callback waits are ours to free)
+        self._attempts: dict[str, set[AttemptRef]] = defaultdict(set)
         self._subs: list = []
         self._tasks: set[asyncio.Task] = set()
         self._closed = False
@@ -106,6 +110,9 @@ class ExecutorService:
         self._subs.append(await self.nc.subscribe(self.subjects.executor(self.id), cb=self._on_msg))
         self._subs.append(await self.nc.subscribe(self.subjects.executors_all, cb=self._on_msg))
         await self.heartbeat()
+
+    async def run(self) -> None:
+        await self.heartbeat_loop()
 
     async def heartbeat_loop(self) -> None:
         while True:
@@ -124,8 +131,8 @@ class ExecutorService:
             transport=self.store.transport.kind,
             address=self.store.transport.address,
             fns=self.fns,
-            resident=self.runner.resident(),
-            running=[self.current] if self.current else [],
+            resident=[k.encode() for k in self.runner.resident()],
+            running=[self.current.encode()] if self.current else [],
             arena_capacity=int(stats["capacity"]),
             arena_free=int(stats["free"]),
             started_at=self.started_at,
@@ -168,14 +175,12 @@ class ExecutorService:
                 for tid in ids:
                     self.store.release(tid)
             case CallbackReady():
-                self.runner.callbacks.deliver(
-                    CallbackBox.key(f"{m.request_id}/{m.attempt}/{m.node_id}", m.input), m.meta
-                )
+                self.runner.callbacks.deliver(m.ref.callback(m.input), m.meta)
             case ReleaseRequest(request_id=rid, attempt=attempt):
-                attempts = list(self._attempts.get(rid, ())) if attempt < 0 else [attempt]
+                attempts = list(self._attempts.get(rid, ())) if attempt < 0 else [AttemptRef(rid, attempt)]
                 for a in attempts:
-                    self.runner.callbacks.cancel(rid, a)
-                freed = sum(self.store.release_group(f"{rid}/{a}") for a in attempts)
+                    self.runner.callbacks.cancel(a)
+                freed = sum(self.store.release_group(a.encode()) for a in attempts)
                 for a in attempts:
                     self._attempts[rid].discard(a)
                 if not self._attempts.get(rid):
@@ -187,25 +192,26 @@ class ExecutorService:
         if self.current is not None or self._closed:
             await msg.respond(encode(Ack(ok=False, error=f"busy with {self.current}", seq=self.seq)))
             return
-        self.current = d.key
+        self.current = d.ref
         await msg.respond(encode(Ack(ok=True, seq=self.seq)))
         task = asyncio.create_task(self._run(d))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
     async def _run(self, d: Dispatch) -> None:
-        self._attempts[d.request_id].add(d.attempt)
+        node = d.ref
+        self._attempts[d.request_id].add(node.attempt_ref)
         try:
             outcome = await self.runner.run(d, await self._fetch_images(d))
             sinks = await self._upload(d, outcome)
         except NodeError as e:
-            log.warning("node %s failed: %s", d.key, e)
+            log.warning("node %s failed: %s", node, e)
             await self._finish(
                 NodeFailed(self.id, d.request_id, d.attempt, d.node_id, str(e), e.retryable, e.unreachable)
             )
             return
         except Exception as e:  # noqa: BLE001 - never let one node take the executor down
-            log.exception("node %s crashed", d.key)
+            log.exception("node %s crashed", node)
             await self._finish(
                 NodeFailed(self.id, d.request_id, d.attempt, d.node_id, f"executor error: {e}", True)
             )
@@ -266,3 +272,29 @@ class ExecutorService:
                 remote[meta.executor].append(meta.tensor_id)
         for producer, ids in remote.items():
             await self.nc.publish(self.subjects.executor(producer), encode(ReleaseTensors(ids)))
+
+
+class ExecutorGroup:
+    """The executors of one process as one service: one real executor, or many simulated ones.
+
+    Started, run and stopped together; if one's heartbeat loop dies, the process stops. Once all
+    have started it logs ``ready`` (the line ``libs.launcher`` waits for: "executor ready ...").
+    """
+
+    def __init__(self, members: list[ExecutorService], ready: str = "executor ready") -> None:
+        self.members = members
+        self.ready = ready
+
+    async def start(self) -> None:
+        for m in self.members:
+            await m.start()
+        log.info("%s", self.ready)
+
+    async def run(self) -> None:
+        async with asyncio.TaskGroup() as tg:
+            for m in self.members:
+                tg.create_task(m.run())
+
+    async def stop(self) -> None:
+        for m in self.members:
+            await m.stop()

@@ -23,13 +23,15 @@ import threading
 import time
 import zlib
 from collections import OrderedDict
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
 from libs.dataplane.buddy import BuddyAllocator
 from libs.dataplane.errors import ArenaFullError
+from libs.protocol.ids import ModelKey
+from libs.protocol.messages import Dispatch, NodeTiming, TensorInput, TensorListInput
 from libs.protocol.tensor_meta import TensorMeta
-from libs.protocol.messages import Dispatch, NodeTiming, TensorInput, TensorListInput, tensor_id
 from libs.sim.profile import Profile
 from services.executor.callbacks import CallbackBox
 from services.executor.outcome import NodeError, NodeOutcome, Png
@@ -74,6 +76,15 @@ class SimStore:
             self._alloc.free(offset)
             return True
 
+    def discard(self, tensor_id: str) -> bool:
+        """Free ``tensor_id`` now, whatever releases it still expects (``TensorStore.discard``)."""
+        with self._lock:
+            entry = self._live.pop(tensor_id, None)
+            if entry is None:
+                return False
+            self._alloc.free(entry[0])
+            return True
+
     def release_group(self, group: str) -> int:
         with self._lock:
             ids = [t for t, (_, _, g) in self._live.items() if g == group]
@@ -102,17 +113,17 @@ class SimRunner:
         self.store = store
         self.scale = time_scale
         self.capacity_gb = profile.gpu_memory_gb.value
-        self._resident: OrderedDict[str, float] = OrderedDict()  # "fn|model" -> size, LRU order
+        self._resident: OrderedDict[ModelKey, float] = OrderedDict()  # model -> size (GB), LRU order
         self._bw = profile.transfer_gb_s.value * 1e9 if profile.transfer_gb_s else 0.0
         self.callbacks = CallbackBox()  # simulated nodes never wait for callback inputs
 
-    def resident(self) -> list[str]:
+    def resident(self) -> list[ModelKey]:
         return list(self._resident)
 
     def close(self) -> None:
         pass
 
-    def _load(self, key: str, size_gb: float, load_s: float) -> float:
+    def _load(self, key: ModelKey, size_gb: float, load_s: float) -> float:
         if key in self._resident:
             self._resident.move_to_end(key)
             return 0.0
@@ -129,8 +140,7 @@ class SimRunner:
         prof = self.profile.model(d.model)
         if prof is None:
             raise NodeError(f"model {d.model!r} is not in simulation profile {self.profile.name!r}")
-        key = f"{d.fn}|{d.model}"
-        load_s = self._load(key, prof.size_gb.value, prof.load_s.value)
+        load_s = self._load(ModelKey(d.fn, d.model), prof.size_gb.value, prof.load_s.value)
         reads = [
             m
             for i in d.inputs.values()
@@ -144,18 +154,22 @@ class SimRunner:
         await asyncio.sleep(planned * self.scale)
         measured = (time.perf_counter() - t0) / self.scale  # in profile seconds, jitter included
         stretch = measured / planned if planned > 0 else 0.0
-        group = f"{d.request_id}/{d.attempt}"
+        node = d.ref
+        group = node.attempt_ref.encode()
         outputs: dict[str, TensorMeta] = {}
         pngs: dict[str, Png] = {}
-        for plan in d.outputs:
-            if plan.consumers > 0:
-                tid = tensor_id(d.request_id, d.attempt, d.node_id, plan.name)
-                try:
-                    outputs[plan.name] = self.store.put(tid, prof.output_bytes, plan.consumers, group)
-                except ArenaFullError as e:
-                    raise NodeError(f"storing {plan.name}: {e}", retryable=True) from e
-            if plan.sink:
-                pngs[plan.name] = Png(blank_png(64, 64), 64, 64)
+        with ExitStack() as undo:  # all or nothing, as NodeRunner stores outputs
+            for plan in d.outputs:
+                if plan.consumers > 0:
+                    tid = node.output(plan.name).encode()
+                    try:
+                        outputs[plan.name] = self.store.put(tid, prof.output_bytes, plan.consumers, group)
+                    except ArenaFullError as e:
+                        raise NodeError(f"storing {plan.name}: {e}", retryable=True) from e
+                    undo.callback(self.store.discard, tid)
+                if plan.sink:
+                    pngs[plan.name] = Png(blank_png(64, 64), 64, 64)
+            undo.pop_all()
         timing = NodeTiming(
             load_s=load_s * stretch, fetch_s=fetch_s * stretch, exec_s=prof.exec_s.value * stretch
         )

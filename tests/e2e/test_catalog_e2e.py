@@ -17,7 +17,7 @@ import redis
 from PIL import Image
 
 from libs.launcher.stack import Stack
-from libs.models import catalog
+from libs.models import families
 from libs.protocol.keys import Keys
 from libs.workflow.spec import encode_spec
 from tests.conftest import cleanup_namespace, free_port
@@ -31,7 +31,7 @@ def built(tmp_path_factory):
     from libs.models.tiny_sd import build_lora
 
     root = tmp_path_factory.mktemp("catalog-models")
-    built = catalog.build(root)
+    built = families.build(root)
     # A second SD1.5 adapter, so warm executors switch between two different LoRAs.
     build_lora(root / "tiny-sd15", root / "loras" / "tiny-sd15-other.safetensors", seed=1)
     return root, built
@@ -57,10 +57,10 @@ def stack(broker_urls, catalog_models, tmp_path_factory):
     )
     s.start()
     try:
-        for spec in catalog.workflows():
+        for spec in families.workflows():
             status, body = s.http("POST", "/v1/workflows", json.loads(encode_spec(spec)), key=KEY)
             assert status == 201, (spec.name, body)
-        loras = {**catalog.LORAS, "tiny-sd15-other": "loras/tiny-sd15-other.safetensors"}
+        loras = {**families.LORAS, "tiny-sd15-other": "loras/tiny-sd15-other.safetensors"}
         for name, path in loras.items():
             assert s.http("POST", "/v1/loras", {"name": name, "path": path}, key=KEY)[0] == 201
         yield s
@@ -96,7 +96,7 @@ def state(stack: Stack, gen_id: str) -> dict[str, str]:
 def test_every_catalog_workflow_is_registered_and_listed(stack):
     status, body = stack.http("GET", "/v1/workflows", key=KEY)
     names = {w["name"] for w in body["data"]}
-    assert status == 200 and names == {spec.name for spec in catalog.workflows()}
+    assert status == 200 and names == {spec.name for spec in families.workflows()}
     assert len(names) >= 20
     for family in ("tiny-sd15", "tiny-sd3", "tiny-flux", "tiny-flux-schnell", "tiny-sana"):
         assert {family, f"{family}-controlnet", f"{family}-lora", f"{family}-controlnet-lora"} <= names
@@ -107,7 +107,7 @@ def test_an_sd15_controlnet_lora_request_equals_the_pipeline_and_its_controlnet_
 ):
     import torch
 
-    from tests.unit.test_sd_family import pipeline_image
+    from tests.unit.model_families import sd_pipeline_image as pipeline_image
 
     torch.set_num_threads(1)
     control = control_picture(64, 64)
@@ -141,7 +141,7 @@ def test_an_sd15_controlnet_lora_request_equals_the_pipeline_and_its_controlnet_
 def test_warm_executors_switch_loras_between_requests(stack, catalog_models):
     import torch
 
-    from tests.unit.test_sd_family import pipeline_image
+    from tests.unit.model_families import sd_pipeline_image as pipeline_image
 
     torch.set_num_threads(1)
     base = {
@@ -192,7 +192,7 @@ def test_bad_adapters_and_specs_are_refused_and_the_platform_keeps_serving(stack
     for body, param in bad_requests:
         status, resp = stack.http("POST", "/v1/images/generations", body, key=KEY)
         assert status == 422 and resp["error"]["param"] == param, resp
-    spec = json.loads(encode_spec(catalog.workflows()[0]))
+    spec = json.loads(encode_spec(families.workflows()[0]))
     spec["name"] = "broken"
     spec["body"][0]["fn"] = "no.such_fn"
     status, resp = stack.http("POST", "/v1/workflows", spec, key=KEY)
@@ -226,7 +226,7 @@ def flux_params(**more):
 def test_a_flux_controlnet_lora_request_equals_the_pipeline(stack, built):
     import torch
 
-    from tests.unit.test_flux_family import Pipes
+    from tests.unit.model_families import FluxPipes as Pipes
 
     torch.set_num_threads(1)
     control = control_picture(72, 80)
@@ -255,7 +255,7 @@ def test_a_flux_controlnet_lora_request_equals_the_pipeline(stack, built):
 def test_cfg_parallel_runs_both_passes_of_a_step_on_two_executors_and_equals_true_cfg(stack, built):
     import torch
 
-    from tests.unit.test_flux_family import Pipes
+    from tests.unit.model_families import FluxPipes as Pipes
 
     torch.set_num_threads(1)
     body = {

@@ -22,7 +22,7 @@ from PIL import Image
 
 from libs.launcher.__main__ import curl_command
 from libs.launcher.stack import Stack
-from libs.models.workflows import tiny_flux
+from libs.models.flux_workflows import tiny_flux
 from libs.protocol.keys import Keys
 from libs.workflow.spec import encode_spec
 from tests.conftest import cleanup_namespace, free_port
@@ -223,7 +223,7 @@ def test_a_user_workflow_with_a_plugin_modelfn_is_registered_with_the_sdk_and_ge
         FluxTransformer,
         FluxVaeDecode,
     )
-    from libs.models.workflows import flux_params
+    from libs.models.flux_workflows import flux_params
     from libs.sdk import SDKError, Workflow, generate, register
     from libs.workflow import catalog
 

@@ -14,7 +14,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from redis.asyncio import Redis
 
 from libs.common.nats_conn import connect
-from libs.models.workflows import tiny_flux
+from libs.models.flux_workflows import tiny_flux
 from libs.protocol.keys import Keys
 from libs.protocol.subjects import Subjects
 from libs.workflow import catalog

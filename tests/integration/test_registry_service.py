@@ -10,7 +10,7 @@ from redis.asyncio import Redis
 
 from libs.common.nats_conn import connect
 from libs.common.registry_client import RegistryClient, WorkflowNotFound
-from libs.models.workflows import tiny_flux
+from libs.models.flux_workflows import tiny_flux
 from libs.protocol.keys import Keys
 from libs.protocol.messages import registry_reply_decoder
 from libs.protocol.subjects import Subjects

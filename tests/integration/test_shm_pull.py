@@ -19,10 +19,10 @@ import torch
 
 from libs.dataplane.arena import segment_exists, segment_name
 from libs.dataplane.errors import TransportError
-from libs.protocol.tensor_meta import TensorMeta, decode_meta, encode_meta
 from libs.dataplane.store import TensorStore
 from libs.dataplane.transport import ShmTransport, TcpTransport, Transport
 from libs.dataplane.transport.tcp import REPLY, REQUEST, REQUEST_MAGIC, STATUS_BAD_REQUEST, STATUS_OK, VERSION
+from libs.protocol.tensor_meta import TensorMeta, decode_meta, encode_meta
 
 REPO = Path(__file__).resolve().parents[2]
 MIB = 1 << 20

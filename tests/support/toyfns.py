@@ -1,6 +1,9 @@
-"""Torch-free ModelFns with the shape of a Flux workflow, for tests of composition and the DAG."""
+"""Torch-free ModelFns with the shape of a Flux workflow, for tests of composition and the DAG,
+and a few that run (importing torch inside ``execute``) for tests of the executor's node runner."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from libs.workflow.modelfn import ModelFn, Signature
 from libs.workflow.spec import ParamSpec
@@ -69,6 +72,53 @@ class ControlledDenoiser(ModelFn):
         self.add_input("prompt_embeds")
         self.add_input("control_outputs", callback=True)
         self.add_output("noise_pred")
+
+
+class _Runnable(ModelFn):
+    """Loads nothing, and records the device it was loaded for (``load_model(path, device)``)."""
+
+    def load_model(self, model_path: str, device: str) -> dict[str, Any]:
+        return {"path": model_path, "device": device}
+
+
+class Pair(_Runnable):
+    """Two outputs: ``first`` (a list of two tensors) and ``second``, whose ``mode`` input can break it:
+    ``"ok"``, ``"none"`` (no tensor), ``"huge"`` (larger than any test arena), ``"float"`` (not an image)."""
+
+    fn_name = "toy.pair"
+
+    def setup_io(self) -> None:
+        self.add_input("x")
+        self.add_input("mode")
+        self.add_output("first")
+        self.add_output("second")
+
+    def execute(self, components: dict[str, Any], x: Any, mode: str) -> dict[str, Any]:
+        import torch
+
+        second = {
+            "ok": lambda: (x * 3).to(torch.uint8).reshape(1, -1, 1, 3),
+            "none": lambda: None,
+            "huge": lambda: torch.zeros(1 << 20),
+            "float": lambda: x * 3,
+        }[mode]()
+        return {"first": [x + 1, x + 2], "second": second}
+
+
+class Crash(_Runnable):
+    """Reads its inputs (``z``, optional, is a callback input), then raises: a ModelFn bug."""
+
+    fn_name = "toy.crash"
+
+    def setup_io(self) -> None:
+        self.add_input("x")
+        self.add_input("y")
+        self.add_input("z", callback=True, optional=True)
+        self.add_output("out")
+
+    def execute(self, components: dict[str, Any], x: Any, y: Any, z: Any = None) -> dict[str, Any]:
+        float((x.sum() + y.sum() + (z().sum() if z is not None else 0)).item())
+        raise RuntimeError("boom")
 
 
 TOYS = [Encode, Prepare, Denoiser, Step, Decode, Control, ControlledDenoiser]

@@ -42,7 +42,7 @@ import sys
 for mod in ("torch", "diffusers", "transformers"):
     sys.modules[mod] = None  # any import of them now fails
 import services.gateway.app, services.registry.service, services.scheduler.service
-from libs.models.workflows import tiny_flux
+from libs.models.flux_workflows import tiny_flux
 from libs.workflow import catalog
 from libs.workflow.validate import validate_spec
 spec = validate_spec(tiny_flux(), catalog.signatures())

@@ -1,11 +1,10 @@
-"""The Flux ModelFns, run node by node, reproduce diffusers' FluxPipeline bitwise (tiny random model)."""
+"""The Flux ModelFns, called node by node without a runner, reproduce diffusers' FluxPipeline bitwise
+(tiny random model), also when every tensor crosses as bytes; and the Flux builder's pieces.
+
+Signatures, entry points and the scheduler step's schedule check are ``test_each_family.py``'s."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -15,9 +14,10 @@ import pytest
 import torch
 
 from libs.models import flux
-from libs.models.tiny import MANIFEST, build_flux, clip_tokenizer, read_manifest, t5_tokenizer, write_manifest
+from libs.models.build_utils import clip_tokenizer, t5_tokenizer
+from libs.models.tiny_flux import MANIFEST, build_flux, read_manifest, write_manifest
+from tests.unit.model_families import harness
 
-REPO = Path(__file__).resolve().parents[2]
 PROMPT = "A photo of a Cat holding a sign that says 'hello world', 4k!"
 GUIDANCE = 3.5
 MAX_SEQ = 32
@@ -31,58 +31,13 @@ ALL_FNS = (
     flux.FluxVaeDecode,
 )
 
-EXPECTED_IO = {
-    "flux.clip_encoder": ({"prompt": False}, ["pooled_prompt_embeds"]),
-    "flux.t5_encoder": ({"prompt": False, "max_sequence_length": False}, ["prompt_embeds", "text_ids"]),
-    "flux.prepare_latents": (
-        # generator_state: optional (ControlNet workflows; see test_flux_family.py)
-        {
-            "seed": False,
-            "height": False,
-            "width": False,
-            "num_inference_steps": False,
-            "generator_state": False,
-        },
-        ["latents", "latent_image_ids", "timesteps"],
-    ),
-    "flux.transformer": (
-        {
-            "latents": False,
-            "timesteps": False,
-            "step": False,
-            "guidance_scale": False,
-            "prompt_embeds": False,
-            "pooled_prompt_embeds": False,
-            "text_ids": False,
-            "latent_image_ids": False,
-            # optional: ControlNet residuals (callbacks) and LoRA (see test_flux_family.py)
-            "controlnet_block_samples": True,
-            "controlnet_single_block_samples": True,
-            "lora": False,
-            "lora_scale": False,
-        },
-        ["noise_pred"],
-    ),
-    "flux.flow_match_step": (
-        {
-            "noise_pred": False,
-            "latents": False,
-            "timesteps": False,
-            "step": False,
-            "num_inference_steps": False,
-        },
-        ["latents"],
-    ),
-    "flux.vae_decode": ({"latents": False, "height": False, "width": False}, ["image"]),
-}
-
 
 class Node:
     """A fresh ModelFn instance with its loaded components."""
 
     def __init__(self, cls: type[flux.ModelFn], model_path: str) -> None:
         self.fn = cls()
-        self.components = self.fn.load_model(model_path)
+        self.components = self.fn.load_model(model_path, "cpu")
 
     def __call__(self, **inputs: Any) -> dict[str, Any]:
         out = self.fn.execute(self.components, **inputs)
@@ -92,7 +47,7 @@ class Node:
 
 @pytest.fixture(autouse=True)
 def one_thread() -> Iterator[None]:
-    # The thread count changes the bits (NOTES-diffusers.md): pin it for pipeline and nodes alike.
+    # The thread count changes the bits: pin it for pipeline and nodes alike.
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -101,7 +56,7 @@ def one_thread() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return str(build_flux(tmp_path_factory.mktemp("models") / "tiny-flux", preset="tiny", seed=0))
+    return str(harness("flux", tmp_path_factory).paths["tiny-flux"])  # build_flux(..., "tiny", seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -210,37 +165,6 @@ def test_the_decomposition_stays_bitwise_equal_when_every_tensor_crosses_as_byte
     assert torch.equal(image, pipeline_image(pipe, 128, 64, 3, 7))
 
 
-def test_signatures_are_read_in_a_process_that_cannot_import_torch() -> None:
-    code = (
-        "import json, sys\n"
-        "for name in ('torch', 'diffusers', 'transformers', 'numpy'):\n"
-        "    sys.modules[name] = None  # any import of them now raises ImportError\n"
-        "from libs.models import flux, flux_controlnet  # the ControlNet half must not import torch either\n"
-        "classes = [flux.FluxClipEncoder, flux.FluxT5Encoder, flux.FluxPrepareLatents,\n"
-        "           flux.FluxTransformer, flux.FlowMatchEulerStep, flux.FluxVaeDecode]\n"
-        "print(json.dumps({c.fn_name: [c.signature().inputs, c.signature().outputs] for c in classes}))\n"
-    )
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    result = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=60
-    )
-
-    assert result.returncode == 0, result.stderr
-    got = json.loads(result.stdout)
-    assert got == {name: [inputs, outputs] for name, (inputs, outputs) in EXPECTED_IO.items()}
-
-
-def test_the_entry_points_name_each_class_by_its_fn_name() -> None:
-    from importlib.metadata import entry_points
-
-    eps = {ep.name: ep.value for ep in entry_points(group="serverless_t2i.modelfns")}
-    if not eps:
-        pytest.skip("serverless-t2i is not installed, so its entry points are not registered")
-
-    for cls in ALL_FNS:
-        assert eps[cls.fn_name] == f"libs.models.flux:{cls.__name__}"
-
-
 def test_the_same_node_with_the_same_inputs_gives_identical_bytes(nodes: dict[str, Node]) -> None:
     prepare, transformer = nodes["flux.prepare_latents"], nodes["flux.transformer"]
     first = prepare(seed=3, height=128, width=128, num_inference_steps=4)
@@ -272,20 +196,6 @@ def test_different_seeds_give_different_latents(nodes: dict[str, Node]) -> None:
     assert not torch.equal(a["latents"], b["latents"])
     assert torch.equal(a["latent_image_ids"], b["latent_image_ids"])
     assert torch.equal(a["timesteps"], b["timesteps"])
-
-
-def test_the_scheduler_step_rejects_timesteps_of_another_schedule(nodes: dict[str, Node]) -> None:
-    prepared = nodes["flux.prepare_latents"](seed=0, height=64, width=64, num_inference_steps=4)
-    latents = prepared["latents"]
-
-    with pytest.raises(ValueError, match="3-step schedule"):
-        nodes["flux.flow_match_step"](
-            noise_pred=torch.zeros_like(latents),
-            latents=latents,
-            timesteps=prepared["timesteps"],
-            step=0,
-            num_inference_steps=3,
-        )
 
 
 def test_the_text_encoders_match_encode_prompt_and_text_ids_take_the_clip_dtype(

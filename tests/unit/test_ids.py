@@ -22,6 +22,7 @@ def test_every_reference_round_trips_through_its_string_form(rid: str, attempt: 
     assert AttemptRef.decode(ref.attempt_ref.encode()) == ref.attempt_ref
     assert TensorRef.decode(ref.output(out).encode()) == ref.output(out)
     assert CallbackRef.decode(ref.callback(out).encode()) == ref.callback(out)
+    assert TensorRef.decode(ref.output(out).at(attempt).encode()) == ref.output(out).at(attempt)
 
 
 def test_the_string_forms_are_the_documented_ones():
@@ -29,6 +30,7 @@ def test_the_string_forms_are_the_documented_ones():
     assert node.encode() == "r1/2/transformer@3"
     assert node.attempt_ref.encode() == "r1/2"
     assert node.output("latents").encode() == "r1/2/transformer@3/latents"
+    assert node.output("block_samples").at(4).encode() == "r1/2/transformer@3/block_samples#4"
     assert node.callback("controlnet_block_samples").encode() == "r1/2/transformer@3:controlnet_block_samples"
     assert ModelKey("flux.transformer", "tiny-flux").encode() == "flux.transformer|tiny-flux"
     assert image_object("r1", "image") == "r1/image.png"
@@ -59,6 +61,7 @@ def test_model_keys_round_trip_even_with_odd_model_names(fn: str, model: str):
         (AttemptRef.decode, "r1/-1"),
         (TensorRef.decode, "r1/1/node"),
         (TensorRef.decode, "r1/1/node/"),
+        (TensorRef.decode, "r1/1/node/out#x"),
         (CallbackRef.decode, "r1/1/node"),
         (ModelKey.decode, "no-separator"),
         (ModelKey.decode, "|model"),

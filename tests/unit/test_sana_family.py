@@ -1,12 +1,14 @@
-"""The Sana ModelFns, run as workflows by the LocalRunner, reproduce diffusers' SanaPipeline and
-SanaControlNetPipeline bitwise (tiny random models built from configs, no hub)."""
+"""What only the Sana family has: a multistep DPM-Solver whose history travels between nodes, a
+ControlNet saved on its own, the scheduler step's history check, the text encoder's instruction and
+select_index, the Gemma tokenizer, and the builder.
+
+What every family shares (each workflow equals SanaPipeline / SanaControlNetPipeline bitwise, warm
+LoRA switching, mid-forward fetches, signatures, entry points) is ``test_each_family.py``; the
+harness is :class:`tests.unit.model_families.Sana`.
+"""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,109 +16,22 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from libs.models import sana, sana_controlnet, sana_workflows
 from libs.models.tiny_sana import MANIFEST, build, gemma_tokenizer, is_built
 from libs.workflow.local import LocalRunner
-from libs.workflow.modelfn import Deferred
+from tests.unit.model_families import PROMPT, Sana, harness, sana_pipeline_image
 
 # diffusers' DPM-Solver builds its sigmas with np.array(tensor, copy=False) (numpy 2 warns).
 pytestmark = pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning")
 
-REPO = Path(__file__).resolve().parents[2]
-PROMPT = "A photo of a Cat holding a sign that says 'hello world', 4k!"
-STEPS = 3
 MAX_SEQ = 24
-LORA = "style"
-CLASSES = {cls.fn_name: cls for cls in sana_workflows.MODELFNS}
-
-EXPECTED_IO = {
-    "sana.text_encoder": (
-        {
-            "prompt": False,
-            "negative_prompt": False,
-            "guidance_scale": False,
-            "max_sequence_length": False,
-            "complex_human_instruction": False,
-        },
-        ["prompt_embeds", "prompt_attention_mask"],
-        [],
-    ),
-    "sana.prepare_latents": (
-        {
-            "seed": False,
-            "height": False,
-            "width": False,
-            "num_inference_steps": False,
-            "use_resolution_binning": False,
-        },
-        ["latents", "timesteps", "solver_history"],
-        [],
-    ),
-    "sana.control_encode": (
-        {
-            "control_image": False,
-            "height": False,
-            "width": False,
-            "use_resolution_binning": False,
-            "guidance_scale": False,
-        },
-        ["control_latents"],
-        [],
-    ),
-    "sana.controlnet": (
-        {
-            "latents": False,
-            "timesteps": False,
-            "step": False,
-            "guidance_scale": False,
-            "prompt_embeds": False,
-            "prompt_attention_mask": False,
-            "control_latents": False,
-            "control_scale": False,
-        },
-        ["controlnet_block_samples"],
-        [],
-    ),
-    "sana.transformer": (
-        {
-            "latents": False,
-            "timesteps": False,
-            "step": False,
-            "guidance_scale": False,
-            "prompt_embeds": False,
-            "prompt_attention_mask": False,
-            "controlnet_block_samples": True,
-            "lora": False,
-            "lora_scale": False,
-        },
-        ["noise_pred"],
-        ["controlnet_block_samples", "lora", "lora_scale"],
-    ),
-    "sana.scheduler_step": (
-        {
-            "noise_pred": False,
-            "latents": False,
-            "timesteps": False,
-            "step": False,
-            "num_inference_steps": False,
-            "solver_history": False,
-        },
-        ["latents", "solver_history"],
-        [],
-    ),
-    "sana.vae_decode": (
-        {"latents": False, "height": False, "width": False, "use_resolution_binning": False},
-        ["image"],
-        [],
-    ),
-}
+BASE = dict(prompt=PROMPT, num_inference_steps=3, max_sequence_length=MAX_SEQ)
 
 
 @pytest.fixture(autouse=True)
 def one_thread() -> Iterator[None]:
-    # The thread count changes the bits (NOTES-diffusers.md): pin it for pipeline and nodes alike.
+    # The thread count changes the bits: pin it for pipeline and nodes alike.
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -124,208 +39,23 @@ def one_thread() -> Iterator[None]:
 
 
 @pytest.fixture(scope="module")
-def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("models")
-    build(out)
-    return out
+def h(tmp_path_factory: pytest.TempPathFactory) -> Sana:
+    return harness("sana", tmp_path_factory)  # type: ignore[return-value]
 
 
 @pytest.fixture(scope="module")
-def paths(root: Path) -> dict[str, Path]:
-    return build(root)  # already built: returns the paths without rebuilding
-
-
-def _pipeline(cls_name: str, path: Path, lora: Path | None = None) -> Any:
-    import diffusers
-
-    pipe = getattr(diffusers, cls_name).from_pretrained(path)
-    pipe.set_progress_bar_config(disable=True)
-    if lora is not None:
-        pipe.load_lora_weights(str(lora), adapter_name=LORA)
-    return pipe
+def root(h: Sana) -> Path:
+    return h.root
 
 
 @pytest.fixture(scope="module")
-def pipes(paths: dict[str, Path]) -> dict[str, Any]:
-    """The monolithic pipelines each workflow must match, LoRA loaded the pipeline's way."""
-    lora = paths["tiny-sana-style"]
-    return {
-        "tiny-sana": _pipeline("SanaPipeline", paths["tiny-sana"]),
-        "tiny-sana-controlnet": _pipeline("SanaControlNetPipeline", paths["tiny-sana-controlnet"]),
-        "tiny-sana-lora": _pipeline("SanaPipeline", paths["tiny-sana"], lora),
-        "tiny-sana-controlnet-lora": _pipeline("SanaControlNetPipeline", paths["tiny-sana-controlnet"], lora),
-    }
+def paths(h: Sana) -> dict[str, Path]:
+    return h.paths
 
 
 @pytest.fixture(scope="module")
-def runner(root: Path) -> LocalRunner:
-    return LocalRunner(root, classes=CLASSES)
-
-
-@pytest.fixture(scope="module")
-def specs() -> dict[str, Any]:
-    return {spec.name: spec for spec in sana_workflows.workflows()}
-
-
-@pytest.fixture(scope="module")
-def control_image() -> Image.Image:
-    rng = np.random.default_rng(0)
-    return Image.fromarray(rng.integers(0, 256, (300, 400, 3), dtype=np.uint8), mode="RGB")
-
-
-def pipeline_image(pipe: Any, control: Image.Image | None = None, **params: Any) -> np.ndarray:
-    """The pipeline's PIL image as an array, called with the workflow parameters ``params``."""
-    kwargs: dict[str, Any] = {
-        "negative_prompt": params.get("negative_prompt", ""),
-        "height": params["height"],
-        "width": params["width"],
-        "num_inference_steps": params["num_inference_steps"],
-        "guidance_scale": params.get("guidance_scale", 4.5),
-        "generator": torch.Generator().manual_seed(params.get("seed", 0)),
-        "max_sequence_length": params["max_sequence_length"],
-        "use_resolution_binning": params.get("use_resolution_binning", True),
-    }
-    if not params.get("complex_human_instruction", True):
-        kwargs["complex_human_instruction"] = None
-    if params.get("lora"):
-        kwargs["attention_kwargs"] = {"scale": params.get("lora_scale", 1.0)}
-    if control is not None:
-        kwargs["control_image"] = control
-        kwargs["controlnet_conditioning_scale"] = params.get("control_scale", 1.0)
-    return np.array(pipe(params["prompt"], **kwargs).images[0])
-
-
-def workflow_image(
-    runner: LocalRunner, spec: Any, paths: dict[str, Path], control: Image.Image | None = None, **params: Any
-) -> np.ndarray:
-    images = {}
-    if control is not None:
-        params["control_image"] = "control"
-        images["control"] = control
-    out = runner.run(spec, params, images=images, loras={LORA: str(paths["tiny-sana-style"])})
-    image = out["image"]
-    assert isinstance(image, torch.Tensor) and image.dtype == torch.uint8
-    return image.numpy()
-
-
-BASE = dict(prompt=PROMPT, num_inference_steps=STEPS, max_sequence_length=MAX_SEQ)
-CASES = [
-    pytest.param(dict(height=512, width=512, seed=0), id="512x512-a-bin-size"),
-    pytest.param(dict(height=500, width=500, seed=7), id="500x500-binned-then-resized-back"),
-    pytest.param(dict(height=64, width=96, seed=3, use_resolution_binning=False), id="64x96-no-binning"),
-    pytest.param(dict(height=384, width=672, seed=1, guidance_scale=1.0), id="no-guidance"),
-    pytest.param(
-        dict(
-            height=448,
-            width=576,
-            seed=2,
-            complex_human_instruction=False,
-            negative_prompt="blurry, low quality",
-        ),
-        id="no-instruction-with-negative-prompt",
-    ),
-]
-WORKFLOWS = ["tiny-sana", "tiny-sana-controlnet", "tiny-sana-lora", "tiny-sana-controlnet-lora"]
-
-
-@pytest.mark.parametrize("name", WORKFLOWS)
-@pytest.mark.parametrize("case", CASES)
-def test_each_workflow_run_node_by_node_equals_the_monolithic_pipeline_bitwise(
-    name: str,
-    case: dict[str, Any],
-    runner: LocalRunner,
-    specs: dict[str, Any],
-    pipes: dict[str, Any],
-    paths: dict[str, Path],
-    control_image: Image.Image,
-) -> None:
-    params = {**BASE, **case}
-    if "lora" in name:
-        params.update(lora=LORA, lora_scale=0.7)
-    if "controlnet" in name:
-        params["control_scale"] = 0.8
-    control = control_image if "controlnet" in name else None
-
-    got = workflow_image(runner, specs[name], paths, control, **params)
-    expected = pipeline_image(pipes[name], control, **params)
-
-    assert got.shape == (params["height"], params["width"], 3)
-    assert np.unique(got).size > 10, "a flat image would make the comparison meaningless"
-    assert np.array_equal(got, expected)
-
-
-def test_the_controlnet_and_the_lora_each_change_the_image(
-    runner: LocalRunner, specs: dict[str, Any], paths: dict[str, Path], control_image: Image.Image
-) -> None:
-    params = {**BASE, "height": 512, "width": 512}
-    plain = workflow_image(runner, specs["tiny-sana"], paths, **params)
-    controlled = workflow_image(runner, specs["tiny-sana-controlnet"], paths, control_image, **params)
-    styled = workflow_image(runner, specs["tiny-sana-lora"], paths, lora=LORA, **params)
-
-    assert not np.array_equal(plain, controlled)
-    assert not np.array_equal(plain, styled)
-
-
-def test_a_warm_runner_switching_lora_then_none_then_lora_gives_each_request_its_own_image(
-    root: Path, specs: dict[str, Any], pipes: dict[str, Any], paths: dict[str, Path]
-) -> None:
-    warm = LocalRunner(root, classes=CLASSES)
-    spec = specs["tiny-sana-lora"]
-    params = {**BASE, "height": 384, "width": 672, "seed": 11}
-    styled_expected = pipeline_image(pipes["tiny-sana-lora"], lora=LORA, lora_scale=0.5, **params)
-    plain_expected = pipeline_image(pipes["tiny-sana"], **params)
-
-    first = workflow_image(warm, spec, paths, lora=LORA, lora_scale=0.5, **params)
-    none = workflow_image(warm, spec, paths, lora="", **params)
-    again = workflow_image(warm, spec, paths, lora=LORA, lora_scale=0.5, **params)
-
-    assert np.array_equal(first, styled_expected)
-    assert np.array_equal(none, plain_expected)
-    assert np.array_equal(again, styled_expected)
-    assert not np.array_equal(first, none)
-
-
-def test_the_transformer_fetches_the_controlnet_samples_inside_its_forward_and_the_image_is_identical(
-    root: Path,
-    specs: dict[str, Any],
-    pipes: dict[str, Any],
-    paths: dict[str, Path],
-    control_image: Image.Image,
-) -> None:
-    events: list[str] = []
-
-    class RecordingTransformer(sana.SanaTransformer):
-        def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
-            deferred = inputs["controlnet_block_samples"]
-            assert isinstance(deferred, Deferred) and not deferred.fetched
-
-            def fetch() -> Any:
-                events.append("fetch")
-                return deferred()
-
-            inputs["controlnet_block_samples"] = Deferred(deferred.name, fetch)
-            events.append("execute")
-            out = super().execute(components, **inputs)
-            events.append("done")
-            return out
-
-    recording = LocalRunner(root, classes={**CLASSES, "sana.transformer": RecordingTransformer})
-    params = {**BASE, "height": 512, "width": 512, "seed": 4}
-    expected = pipeline_image(pipes["tiny-sana-controlnet"], control_image, **params)
-
-    # Load the components first, then hook the blocks of the very transformer the runner uses.
-    workflow_image(recording, specs["tiny-sana-controlnet"], paths, control_image, **params)
-    transformer = recording._components["sana.transformer|tiny-sana-controlnet"]["transformer"]
-    blocks = transformer.transformer_blocks
-    for i, block in enumerate(blocks):
-        block.register_forward_hook(lambda *_, i=i: events.append(f"block{i}"))
-    events.clear()
-    got = workflow_image(recording, specs["tiny-sana-controlnet"], paths, control_image, **params)
-
-    # Sana adds sample i-1 after block i (i >= 1): the first touch of the list comes after block 1.
-    per_step = ["execute", "block0", "block1", "fetch", *[f"block{i}" for i in range(2, len(blocks))], "done"]
-    assert events == per_step * STEPS
-    assert np.array_equal(got, expected)
+def pipes(h: Sana) -> dict[str, Any]:
+    return {"tiny-sana": h.pipeline(False, False), "tiny-sana-controlnet": h.pipeline(True, False)}
 
 
 @pytest.mark.parametrize(
@@ -336,7 +66,7 @@ def test_the_transformer_fetches_the_controlnet_samples_inside_its_forward_and_t
     ],
 )
 def test_a_multistep_dpm_solver_carries_its_history_between_nodes_and_stays_bitwise_equal(
-    scheduler_kwargs: dict[str, Any], paths: dict[str, Path], tmp_path: Path
+    scheduler_kwargs: dict[str, Any], h: Sana, paths: dict[str, Path], tmp_path: Path
 ) -> None:
     from diffusers import DPMSolverMultistepScheduler, SanaPipeline
 
@@ -354,11 +84,10 @@ def test_a_multistep_dpm_solver_carries_its_history_between_nodes_and_stays_bitw
     pipe.save_pretrained(model)
     params = {**BASE, "num_inference_steps": 5, "height": 512, "width": 512, "seed": 9}
 
-    got = workflow_image(
-        LocalRunner(tmp_path, classes=CLASSES), sana_workflows.tiny_sana(str(model)), paths, **params
-    )
+    spec = sana_workflows.workflows(model=str(model))[0]  # tiny-sana on this folder
+    got = LocalRunner(tmp_path, classes=h.classes()).run(spec, params)["image"]
 
-    assert np.array_equal(got, pipeline_image(pipe, **params))
+    assert np.array_equal(got.numpy(), sana_pipeline_image(pipe, **params))
 
 
 def test_a_controlnet_saved_on_its_own_loads_like_the_one_in_the_pipeline_folder(
@@ -366,8 +95,8 @@ def test_a_controlnet_saved_on_its_own_loads_like_the_one_in_the_pipeline_folder
 ) -> None:
     pipes["tiny-sana-controlnet"].controlnet.save_pretrained(tmp_path / "controlnet")
     node = sana_controlnet.SanaControlNet()
-    alone = node.load_model(str(tmp_path / "controlnet"))["controlnet"].state_dict()
-    in_folder = node.load_model(str(paths["tiny-sana-controlnet"]))["controlnet"].state_dict()
+    alone = node.load_model(str(tmp_path / "controlnet"), "cpu")["controlnet"].state_dict()
+    in_folder = node.load_model(str(paths["tiny-sana-controlnet"]), "cpu")["controlnet"].state_dict()
 
     assert alone.keys() == in_folder.keys()
     assert all(torch.equal(alone[k], in_folder[k]) for k in alone)
@@ -381,24 +110,25 @@ def test_a_controlnet_saved_on_its_own_loads_like_the_one_in_the_pipeline_folder
     }
 
 
-def test_the_scheduler_step_refuses_another_schedule_or_a_wrong_history(paths: dict[str, Path]) -> None:
+def test_the_scheduler_step_starts_with_an_empty_history_and_refuses_a_wrong_one(
+    paths: dict[str, Path],
+) -> None:
     prepare, step = sana.SanaPrepareLatents(), sana.SanaSchedulerStep()
     model = str(paths["tiny-sana"])
     init = prepare.execute(
-        prepare.load_model(model),
+        prepare.load_model(model, "cpu"),
         seed=0,
         height=64,
         width=64,
         num_inference_steps=4,
         use_resolution_binning=False,
     )
-    components = step.load_model(model)
+    components = step.load_model(model, "cpu")
     latents = init["latents"]
     inputs = dict(noise_pred=torch.zeros_like(latents), latents=latents, timesteps=init["timesteps"], step=0)
 
+    # (another schedule's timesteps are refused: test_each_family)
     assert init["solver_history"].shape == (0, *latents.shape)
-    with pytest.raises(ValueError, match="3-step schedule"):
-        step.execute(components, **inputs, num_inference_steps=3, solver_history=init["solver_history"])
     with pytest.raises(ValueError, match="solver_history"):
         step.execute(components, **inputs, num_inference_steps=4, solver_history=latents[None])
 
@@ -407,7 +137,7 @@ def test_the_text_encoder_matches_encode_prompt_with_the_instruction_and_the_sel
     paths: dict[str, Path], pipes: dict[str, Any]
 ) -> None:
     node = sana.SanaTextEncoder()
-    components = node.load_model(str(paths["tiny-sana"]))
+    components = node.load_model(str(paths["tiny-sana"]), "cpu")
     out = node.execute(
         components,
         prompt=PROMPT,
@@ -456,38 +186,3 @@ def test_build_is_idempotent_and_writes_the_manifests_last(root: Path, paths: di
     assert paths["tiny-sana-style"] == root / "loras" / "tiny-sana-style.safetensors"
     assert (root / "tiny-sana-controlnet" / "controlnet" / "config.json").is_file()
     assert not is_built(root, seed=1)
-
-
-def test_signatures_and_workflows_are_read_in_a_process_that_cannot_import_torch() -> None:
-    code = (
-        "import json, sys\n"
-        "for name in ('torch', 'diffusers', 'transformers', 'numpy', 'peft', 'PIL'):\n"
-        "    sys.modules[name] = None  # any import of them now raises ImportError\n"
-        "from libs.models import sana_workflows\n"
-        "sigs = {c.fn_name: c.signature() for c in sana_workflows.MODELFNS}\n"
-        "names = [w.name for w in sana_workflows.workflows()]\n"
-        "print(json.dumps({'names': names,\n"
-        "                  'sigs': {n: [s.inputs, s.outputs, s.optional] for n, s in sigs.items()}}))\n"
-    )
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    result = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=60
-    )
-
-    assert result.returncode == 0, result.stderr
-    got = json.loads(result.stdout)
-    assert got["names"] == WORKFLOWS
-    assert got["sigs"] == {name: [i, o, opt] for name, (i, o, opt) in EXPECTED_IO.items()}
-
-
-def test_the_entry_points_name_each_class_by_its_fn_name() -> None:
-    from importlib.metadata import entry_points
-
-    eps = {ep.name: ep.value for ep in entry_points(group="serverless_t2i.modelfns")}
-    if not any(name.startswith("sana.") for name in eps):
-        pytest.skip("the sana ModelFns are not registered as entry points in this installation")
-
-    controlnet_fns = {"sana.control_encode", "sana.controlnet"}  # in libs.models.sana_controlnet
-    for cls in sana_workflows.MODELFNS:
-        module = "libs.models.sana_controlnet" if cls.fn_name in controlnet_fns else "libs.models.sana"
-        assert eps[cls.fn_name] == f"{module}:{cls.__name__}"

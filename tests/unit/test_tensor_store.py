@@ -16,14 +16,14 @@ import torch
 
 from libs.dataplane.errors import (
     ArenaFullError,
-    BadTensorMetaError,
     DataPlaneError,
     TensorNotFoundError,
     TransportError,
 )
-from libs.protocol.tensor_meta import TensorMeta, check_meta, decode_meta, encode_meta
 from libs.dataplane.store import TensorStore, dtype_name, torch_dtype
 from libs.dataplane.transport import ShmTransport, TcpTransport, Transport, make_transport
+from libs.protocol.errors import BadTensorMetaError
+from libs.protocol.tensor_meta import TensorMeta, check_meta, decode_meta, encode_meta
 
 KIB = 1024
 BOUND = 30.0
@@ -138,6 +138,23 @@ def test_release_group_frees_every_tensor_of_a_cancelled_request(store: TensorSt
     assert store.release("r1/a") is False
     assert store.release("r2/a") is True
     assert store.stats()["used"] == 0
+
+
+def test_discard_frees_a_tensor_whatever_its_readers_and_leaves_its_group_consistent(
+    store: TensorStore,
+) -> None:
+    meta = store.put("r1/a", torch.ones(100), consumers=3, group="r1")
+    store.put("r1/b", torch.ones(4), consumers=1, group="r1")
+    used_b = store.stats()["used"] - store.transport.arena.block_size(meta.offset)
+    assert store.release("r1/a") is False
+    assert store.discard("r1/a") is True
+    assert "r1/a" not in store and store.refcount("r1/a") == 0
+    assert store.stats()["used"] == used_b
+    assert store.discard("r1/a") is False  # unknown ids: nothing to do
+    assert store.release("r1/a") is False  # a late consumer's release is harmless
+    store.put("r1/a", torch.zeros(100), consumers=1, group="r1")  # the id can be stored again
+    assert store.release_group("r1") == 2
+    assert store.stats()["used"] == 0 and len(store) == 0
 
 
 def test_put_of_an_existing_id_or_without_consumers_is_rejected(store: TensorStore) -> None:

@@ -4,23 +4,17 @@
 ``tiny-flux`` (dev), ``tiny-flux-schnell``, ``tiny-flux-controlnet`` (a ``FluxControlNetModel`` with
 the tiny transformer's dimensions, for dev and schnell alike) and the LoRA file
 ``loras/tiny-flux-style.safetensors`` (key ``tiny-flux-style``). Every piece is idempotent: a
-manifest written last marks it complete (:mod:`libs.models.builds`).
+manifest written last marks it complete (:mod:`libs.models.build_utils`).
 
 ``build_flux(out_dir, preset, seed)`` builds a ``FluxPipeline`` from the configs below, seeds torch
 first so the weights are a function of ``seed``, saves it with ``save_pretrained`` (the layout every
 ``load_model`` reads) and writes a manifest, ``t2i-model.json``, last. A folder whose manifest
 matches is complete and is not rebuilt; the build goes to a temporary sibling folder that is
-renamed into place, so an interrupted build never looks complete (:func:`~libs.models.builds.build_folder`).
+renamed into place, so an interrupted build never looks complete
+(:func:`~libs.models.build_utils.build_folder`).
 
-Tokenizers are built from in-memory vocabularies (transformers 5 needs no downloaded files):
-
-* CLIP: a byte-level BPE with no merges over single characters, each with a word-final ``</w>``
-  twin; lower-case letters, digits and common punctuation (CLIP lower-cases its input).
-  Ids 0/1 are ``<|startoftext|>``/``<|endoftext|>``, matching the text config's bos/eos (CLIP pools
-  at the eos id).
-* T5: a Unigram vocabulary of ``<pad>``, ``</s>``, ``<unk>`` (ids 0/1/2, as the T5 config expects),
-  then word-initial pieces ``▁c`` and inner pieces ``c`` for letters of both cases, digits and
-  punctuation.
+The CLIP and T5 tokenizers are the in-memory ones of :mod:`libs.models.build_utils`
+(:func:`~libs.models.build_utils.clip_tokenizer`, :func:`~libs.models.build_utils.t5_tokenizer`).
 
 Variants: ``dev`` (guidance embedding; the scheduler shifts with the resolution, like FLUX.1-dev)
 and ``schnell`` (no guidance embedding; FLUX.1-schnell's scheduler: ``shift=1.0``, no dynamic
@@ -56,12 +50,11 @@ Presets (same text encoders in both; each text encoder has hidden size 32):
 from __future__ import annotations
 
 import os
-import string
 from pathlib import Path
 from typing import Any
 
-from libs.models import builds
-from libs.models.builds import MANIFEST
+from libs.models import build_utils
+from libs.models.build_utils import MANIFEST, clip_tokenizer, t5_tokenizer
 
 FAMILY = "flux"
 CONTROLNET_FAMILY = "flux-controlnet"
@@ -69,11 +62,6 @@ LORA_FAMILY = "flux-lora"
 LORA_MANIFEST_SUFFIX = ".t2i-lora.json"
 PRESETS = ("tiny", "bench")
 VARIANTS = ("dev", "schnell")
-
-# Characters the tiny tokenizers know; anything else becomes the unknown token.
-_PUNCTUATION = ".,!?'-:;()&/\"#+*%$@"
-_CLIP_CHARS = string.ascii_lowercase + string.digits + _PUNCTUATION
-_T5_CHARS = string.ascii_letters + string.digits + _PUNCTUATION
 
 _TEXT_DIM = 32  # hidden size of both tiny text encoders = the transformer's text/pooled dims
 
@@ -143,14 +131,14 @@ def write_manifest(
     out_dir: str | os.PathLike[str], preset: str, seed: int, *, variant: str = "dev", family: str = FAMILY
 ) -> Path:
     """Mark ``out_dir`` as a complete build of ``preset``/``seed``; call after everything else."""
-    return builds.write_manifest(
+    return build_utils.write_manifest(
         Path(out_dir) / MANIFEST, manifest_for(preset, seed, variant=variant, family=family)
     )
 
 
 def read_manifest(out_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
     """The manifest of a built folder, or None if there is none (or it is unreadable)."""
-    return builds.read_manifest(Path(out_dir) / MANIFEST)
+    return build_utils.read_manifest(Path(out_dir) / MANIFEST)
 
 
 def is_built(
@@ -165,25 +153,6 @@ def is_built(
 
 
 # -- components ----------------------------------------------------------------------------------
-
-
-def clip_tokenizer() -> Any:
-    from transformers import CLIPTokenizer
-
-    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
-    for c in _CLIP_CHARS:
-        vocab[c] = len(vocab)
-        vocab[c + "</w>"] = len(vocab)
-    return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=77)
-
-
-def t5_tokenizer() -> Any:
-    from transformers import T5TokenizerFast
-
-    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -3.0)]
-    vocab += [("▁" + c, -1.0) for c in _T5_CHARS]
-    vocab += [(c, -2.0) for c in _T5_CHARS]
-    return T5TokenizerFast(vocab=vocab, extra_ids=0)
 
 
 def _check(preset: str, variant: str = "dev") -> None:
@@ -280,7 +249,7 @@ def build_flux(
 ) -> Path:
     """Build and save a Flux pipeline folder at ``out_dir``; a no-op if it is already built."""
     _check(preset, variant)
-    return builds.build_folder(
+    return build_utils.build_folder(
         out_dir,
         manifest_for(preset, seed, variant=variant),
         lambda tmp: flux_pipeline(preset, seed, variant).save_pretrained(tmp),
@@ -309,7 +278,7 @@ def build_controlnet(out_dir: str | os.PathLike[str], preset: str = "tiny", seed
     """Build and save a ControlNet folder (``FluxControlNetModel.save_pretrained``: config and
     weights at the folder's top) at ``out_dir``; a no-op if it is already built."""
     _check(preset)
-    return builds.build_folder(
+    return build_utils.build_folder(
         out_dir,
         manifest_for(preset, seed, family=CONTROLNET_FAMILY),
         lambda tmp: flux_controlnet(preset, seed).save_pretrained(tmp),
@@ -326,13 +295,13 @@ def flux_lora(preset: str = "tiny", seed: int = 0) -> tuple[dict[str, Any], dict
         torch.manual_seed(seed)
         transformer = FluxTransformer2DModel(**_TRANSFORMERS[preset])
         # lora_A: kaiming-uniform from the seeded RNG; lora_B (zeros) re-drawn from seed + 1
-        state_dict, config = builds.random_lora_(transformer, seed=seed + 1, std=0.5, **_LORA_CONFIG)
+        state_dict, config = build_utils.random_lora_(transformer, seed=seed + 1, std=0.5, **_LORA_CONFIG)
     # Sets (target_modules) become sorted lists: save_lora_weights would list them in hash order.
     return state_dict, {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
 
 
 def lora_manifest_path(path: str | os.PathLike[str]) -> Path:
-    return builds.sidecar_path(path, LORA_MANIFEST_SUFFIX)
+    return build_utils.sidecar_path(path, LORA_MANIFEST_SUFFIX)
 
 
 def build_lora(path: str | os.PathLike[str], preset: str = "tiny", seed: int = 0) -> Path:
@@ -353,7 +322,7 @@ def build_lora(path: str | os.PathLike[str], preset: str = "tiny", seed: int = 0
             transformer_lora_adapter_metadata=metadata,
         )
 
-    return builds.build_file(out, lora_manifest_path(out), manifest, save)
+    return build_utils.build_file(out, lora_manifest_path(out), manifest, save)
 
 
 def build(out_root: str | os.PathLike[str], seed: int = 0) -> dict[str, Path]:

@@ -1,6 +1,6 @@
 """What the random-weight builders share: atomic, idempotent builds marked by a manifest.
 
-The builders (:mod:`libs.models.tiny` for Flux, :mod:`~libs.models.tiny_sd`,
+The builders (:mod:`libs.models.tiny_flux`, :mod:`~libs.models.tiny_sd`,
 :mod:`~libs.models.tiny_sd3`, :mod:`~libs.models.tiny_sana`) write model folders and LoRA files
 whose weights are a function of a seed. Each artifact has a *manifest*, a small JSON object (its
 family, kind or preset, seed, ...) that is written last, so an interrupted build never looks
@@ -23,6 +23,17 @@ dedicated generator, and :func:`random_lora_` attaches a peft adapter and re-dra
 The order of the tensors is the order of the draws; callers keep theirs so built weights stay the
 same.
 
+Tokenizers are built from in-memory vocabularies (transformers 5 needs no downloaded files); the
+Flux and SD families use both, SD3 its CLIP twice:
+
+* :func:`clip_tokenizer`: a byte-level BPE with no merges over single characters, each with a
+  word-final ``</w>`` twin; lower-case letters, digits and common punctuation (CLIP lower-cases its
+  input). Ids 0/1 are ``<|startoftext|>``/``<|endoftext|>``, matching the text configs' bos/eos (CLIP
+  pools at the eos id).
+* :func:`t5_tokenizer`: a Unigram vocabulary of ``<pad>``, ``</s>``, ``<unk>`` (ids 0/1/2, as the T5
+  config expects), then word-initial pieces ``▁c`` and inner pieces ``c`` for letters of both cases,
+  digits and punctuation.
+
 No torch at import time (the catalog imports the builder modules without it).
 """
 
@@ -31,12 +42,18 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import string
 import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 MANIFEST = "t2i-model.json"  # a built folder's manifest, inside it
+
+# Characters the tiny tokenizers know; anything else becomes the unknown token.
+_PUNCTUATION = ".,!?'-:;()&/\"#+*%$@"
+_CLIP_CHARS = string.ascii_lowercase + string.digits + _PUNCTUATION
+_T5_CHARS = string.ascii_letters + string.digits + _PUNCTUATION
 
 
 def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any] | None:
@@ -134,3 +151,24 @@ def random_lora_(
     named = sorted(model.named_parameters()) if sort_names else list(model.named_parameters())
     randomize_([p for n, p in named if "lora_B" in n], seed=seed, std=std)
     return get_peft_model_state_dict(model), model.peft_config["default"].to_dict()
+
+
+def clip_tokenizer() -> Any:
+    """The in-memory CLIP tokenizer of the tiny families (see the module docstring)."""
+    from transformers import CLIPTokenizer
+
+    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
+    for c in _CLIP_CHARS:
+        vocab[c] = len(vocab)
+        vocab[c + "</w>"] = len(vocab)
+    return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=77)
+
+
+def t5_tokenizer() -> Any:
+    """The in-memory T5 tokenizer of the tiny families (see the module docstring)."""
+    from transformers import T5TokenizerFast
+
+    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -3.0)]
+    vocab += [("▁" + c, -1.0) for c in _T5_CHARS]
+    vocab += [(c, -2.0) for c in _T5_CHARS]
+    return T5TokenizerFast(vocab=vocab, extra_ids=0)

@@ -1,11 +1,12 @@
-"""Built-in workflows, composed from ModelFns the way users compose theirs (paper Fig. 7).
+"""Flux workflows, composed from the ``flux.*`` ModelFns the way users compose theirs (the paper, §4,
+Fig. 7).
 
 ``tiny-flux``: CLIP and T5 text encoders (two parallel nodes), latent preparation, the Flux
 transformer once per denoising step followed by the flow-match Euler step, then VAE decode. Its
-components are random-weight models built from configs (``libs.models.tiny.build``), so it runs
-anywhere; the same composition serves a real Flux checkpoint by pointing ``model`` at it.
+components are random-weight models built from configs (:func:`libs.models.tiny_flux.build`), so it
+runs anywhere; the same composition serves a real Flux checkpoint by pointing ``model`` at it.
 
-The Flux family (:func:`flux_workflows`) varies that composition along three axes:
+The Flux family (:func:`workflows`) varies that composition along three axes:
 
 * **checkpoint**: dev (``tiny-flux``, guidance-distilled) or schnell (``tiny-flux-schnell``: no
   guidance embedding, no dynamic shifting, 4 steps; ``guidance_scale`` defaults to 0.0 and only
@@ -18,7 +19,10 @@ The Flux family (:func:`flux_workflows`) varies that composition along three axe
 * **LoRA** (``-lora``): parameters ``lora`` (a registered adapter, ``""`` = none) and ``lora_scale``,
   bound by name to the transformer's optional inputs; one warm transformer serves any adapter.
 
-``tiny-flux-cfg-parallel`` is true CFG split for parallelism (paper Fig. 12-right): the prompt and
+The ControlNet and LoRA variants of each checkpoint come from
+:func:`libs.models.common.variant_workflows`, with the parameters every family declares alike.
+
+``tiny-flux-cfg-parallel`` is true CFG split for parallelism (the paper, Fig. 12-right): the prompt and
 ``negative_prompt`` are encoded by their own encoder nodes, each step runs two transformer nodes
 (positive, negative; two executors can take them) and the light ``flux.true_cfg`` combine.
 
@@ -27,6 +31,7 @@ This module imports no torch: composing only records names and references.
 
 from __future__ import annotations
 
+from libs.models.common import Variant, controlnet_params, lora_params, variant_workflows
 from libs.models.flux import (
     FlowMatchEulerStep,
     FluxClipEncoder,
@@ -56,6 +61,8 @@ MODELFNS: list[type[ModelFn]] = [
 ]
 
 TINY_SIZES = ["128x128", "64x64", "256x256", "128x64", "64x128"]
+DEV = "tiny Flux dev (guidance-distilled; random-weight CLIP+T5, DiT, VAE)"
+SCHNELL = "tiny Flux schnell (no guidance embedding, 4 steps)"
 
 
 def flux_params(
@@ -69,29 +76,6 @@ def flux_params(
         "num_inference_steps": ParamSpec(type="int", default=steps, minimum=1, maximum=100),
         "guidance_scale": ParamSpec(type="float", default=guidance_scale, minimum=0.0, maximum=30.0),
         "max_sequence_length": ParamSpec(type="int", default=max_sequence_length, minimum=1, maximum=512),
-    }
-
-
-def controlnet_params() -> dict[str, ParamSpec]:
-    return {
-        "control_image": ParamSpec(
-            type="image", required=True, description="ControlNet condition (e.g. an edge map), RGB"
-        ),
-        # FluxControlNetPipeline.__call__: controlnet_conditioning_scale=1.0
-        "control_scale": ParamSpec(
-            type="float", default=1.0, minimum=0.0, maximum=4.0, description="ControlNet conditioning scale"
-        ),
-    }
-
-
-def lora_params() -> dict[str, ParamSpec]:
-    return {
-        "lora": ParamSpec(
-            type="lora", default="", description="LoRA adapter of the transformer; empty: none"
-        ),
-        "lora_scale": ParamSpec(
-            type="float", default=1.0, minimum=-4.0, maximum=4.0, description="LoRA weight"
-        ),
     }
 
 
@@ -183,12 +167,8 @@ def flux_workflow(
 
 
 def tiny_flux(model: str = "tiny-flux") -> WorkflowSpec:
-    return flux_workflow(
-        "tiny-flux",
-        model,
-        sizes=TINY_SIZES,
-        description="Flux-style workflow with random-weight tiny components (CLIP+T5, DiT, VAE)",
-    )
+    """The basic workflow of the dev checkpoint: the first of :func:`workflows`."""
+    return flux_workflow("tiny-flux", model, sizes=TINY_SIZES, description=DEV)
 
 
 def bench_flux(model: str = "bench-flux") -> WorkflowSpec:
@@ -200,48 +180,37 @@ def bench_flux(model: str = "bench-flux") -> WorkflowSpec:
     )
 
 
-def flux_workflows(
+def _checkpoint_variants(
+    name: str, model: str, controlnet: str, description: str, guidance: float
+) -> list[WorkflowSpec]:
+    def compose(workflow: str, variant: Variant, text: str) -> WorkflowSpec:
+        return flux_workflow(
+            workflow,
+            model,
+            sizes=TINY_SIZES,
+            guidance_scale=guidance,
+            controlnet=controlnet if variant.controlnet else None,
+            lora=variant.lora,
+            description=text,
+        )
+
+    return variant_workflows(name, description, compose)
+
+
+def workflows(
     dev: str = "tiny-flux", schnell: str = "tiny-flux-schnell", controlnet: str = "tiny-flux-controlnet"
 ) -> list[WorkflowSpec]:
     """The tiny Flux family: dev and schnell, each plain, with ControlNet, LoRA or both, and dev
     with parallel true CFG. Model names are folders under the executors' model root
-    (:func:`libs.models.tiny.build` builds them)."""
-    specs = [tiny_flux(dev)]
-    for variant, model, guidance in (("", dev, 3.5), ("-schnell", schnell, 0.0)):
-        kind = "schnell (no guidance embedding, 4 steps)" if variant else "dev (guidance-distilled)"
-        for suffix, cn, lora in (
-            ("", False, False),
-            ("-controlnet", True, False),
-            ("-lora", False, True),
-            ("-controlnet-lora", True, True),
-        ):
-            if not variant and not suffix:
-                continue  # tiny-flux, above
-            extras = " + ".join(x for x, on in (("ControlNet", cn), ("LoRA", lora)) if on)
-            specs.append(
-                flux_workflow(
-                    f"tiny-flux{variant}{suffix}",
-                    model,
-                    sizes=TINY_SIZES,
-                    guidance_scale=guidance,
-                    controlnet=controlnet if cn else None,
-                    lora=lora,
-                    description=f"tiny Flux {kind}" + (f" with {extras}" if extras else ""),
-                )
-            )
-    specs.append(
+    (:func:`libs.models.tiny_flux.build` builds them)."""
+    return [
+        *_checkpoint_variants("tiny-flux", dev, controlnet, DEV, guidance=3.5),
+        *_checkpoint_variants("tiny-flux-schnell", schnell, controlnet, SCHNELL, guidance=0.0),
         flux_workflow(
             "tiny-flux-cfg-parallel",
             dev,
             sizes=TINY_SIZES,
             true_cfg=True,
             description="tiny Flux dev with true CFG: positive and negative transformer nodes per step",
-        )
-    )
-    return specs
-
-
-BUILTIN = {"tiny-flux": tiny_flux, "bench-flux": bench_flux}
-
-
-workflows = flux_workflows  # the family interface libs.models.catalog reads
+        ),
+    ]
