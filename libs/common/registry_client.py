@@ -9,7 +9,6 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
 from libs.errors import RetryableError, T2IError
-
 from libs.protocol.messages import (
     GetLora,
     GetWorkflow,

@@ -26,7 +26,7 @@ from typing import Protocol
 
 from libs.common.runner import close_quietly, run_service
 
-__all__ = ["Service", "main", "own", "run_forever", "serve"]
+__all__ = ["Service", "main", "own", "run_all", "run_forever", "serve"]
 
 
 class Service(Protocol):
@@ -43,6 +43,21 @@ class Service(Protocol):
 async def run_forever() -> None:
     """``run`` of a service whose work is all in callbacks (subscriptions, HTTP handlers)."""
     await asyncio.Event().wait()
+
+
+async def run_all(*loops: Awaitable[None]) -> None:
+    """``run`` of a service with several long-lived loops: they run together, and the first to end
+    (return or raise) ends them all; its error, or a ``RuntimeError`` saying it returned, propagates."""
+    tasks = [asyncio.ensure_future(loop) for loop in loops]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        for t in done:
+            t.result()  # re-raises the loop's error
+        raise RuntimeError(f"a long-lived loop returned: {next(iter(done)).get_coro()!r}")
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def own(stack: AsyncExitStack, close: Callable[[], Awaitable[object]], what: str) -> None:

@@ -23,9 +23,9 @@ from libs.dataplane.errors import (
     TensorNotFoundError,
     TransportError,
 )
+from libs.dataplane.transport import ShmTransport, TcpTransport, Transport, make_transport
 from libs.protocol.errors import BadTensorMetaError
 from libs.protocol.tensor_meta import DTYPE_SIZES, TensorMeta, check_meta, decode_meta, encode_meta
-from libs.dataplane.transport import ShmTransport, TcpTransport, Transport, make_transport
 
 __all__ = [
     "Arena",

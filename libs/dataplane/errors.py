@@ -59,5 +59,3 @@ class TransportError(DataPlaneError, RetryableError):
         self.address = address
         self.reason = reason
         super().__init__(f"transport to {address!r} failed: {reason}")
-
-

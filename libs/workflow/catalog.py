@@ -20,7 +20,6 @@ log = logging.getLogger(__name__)
 
 
 class UnknownModelFn(T2IError, LookupError):
-
     def __init__(self, name: str) -> None:
         self.name = name
         super().__init__(f"unknown ModelFn {name!r}: no entry point {name!r} in group {GROUP!r}")

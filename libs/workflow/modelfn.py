@@ -162,7 +162,9 @@ class ModelFn:
         """Record one invocation in the workflow being composed (see ``compose.Workflow``)."""
         recorder = RECORDER.get()
         if recorder is None:
-            raise CompositionError("a ModelFn is called outside `with Workflow(...)`: nothing to record it in")
+            raise CompositionError(
+                "a ModelFn is called outside `with Workflow(...)`: nothing to record it in"
+            )
         return recorder.call(self, bindings)
 
 

@@ -23,6 +23,7 @@ from nats.aio.msg import Msg
 from nats.js.object_store import ObjectStore
 
 from libs.common.retry import retry
+from libs.common.service import run_all
 from libs.protocol.ids import AttemptRef, ModelKey, NodeRef
 from libs.protocol.messages import (
     Ack,
@@ -291,9 +292,7 @@ class ExecutorGroup:
         log.info("%s", self.ready)
 
     async def run(self) -> None:
-        async with asyncio.TaskGroup() as tg:
-            for m in self.members:
-                tg.create_task(m.run())
+        await run_all(*(m.run() for m in self.members))
 
     async def stop(self) -> None:
         for m in self.members:

@@ -2,26 +2,29 @@
 
 from __future__ import annotations
 
-import asyncio
+import logging
+from contextlib import AsyncExitStack
 
 from libs.common.config import load_config
 from libs.common.logs import setup_logging
 from libs.common.nats_conn import connect
 from libs.common.redis_conn import connect_redis
-from libs.common.runner import close_quietly, run_service
+from libs.common.service import main, own
 from libs.common.settings import common_settings
 from libs.protocol.keys import Keys
 from libs.protocol.subjects import Subjects
 from services.scheduler.config import SchedulerConfig
+from services.scheduler.core import SchedulerCore
 from services.scheduler.policy import get_policy
 from services.scheduler.service import SchedulerService
-from services.scheduler.state import SchedulerCore
+
+log = logging.getLogger(__name__)
 
 
-async def main() -> None:
+async def build(stack: AsyncExitStack) -> SchedulerService:
     common = common_settings()
     cfg = load_config(SchedulerConfig, "T2I_SCHEDULER_")
-    log = setup_logging("scheduler", common.log_level)
+    setup_logging("scheduler", common.log_level)
     core = SchedulerCore(
         get_policy(cfg.policy, cfg.slack_s),
         heartbeat_timeout_s=cfg.heartbeat_timeout_s,
@@ -29,8 +32,12 @@ async def main() -> None:
         max_restarts=cfg.max_restarts,
     )
     nc = await connect(common.nats_url, "scheduler")
+    own(stack, nc.drain, "nats")
     redis = connect_redis(common.redis_url)
-    service = SchedulerService(
+    own(stack, redis.aclose, "redis")
+    slack = f", slack {cfg.slack_s:g}s" if cfg.policy == "fair" else ""
+    log.info("scheduler configured (policy %s%s, namespace %s)", cfg.policy, slack, common.namespace)
+    return SchedulerService(
         nc=nc,
         redis=redis,
         subjects=Subjects(common.namespace),
@@ -38,16 +45,7 @@ async def main() -> None:
         core=core,
         cfg=cfg,
     )
-    await service.start()
-    slack = f", slack {cfg.slack_s:g}s" if cfg.policy == "fair" else ""
-    log.info("scheduler ready (policy %s%s, namespace %s)", cfg.policy, slack, common.namespace)
-    try:
-        await run_service(*service.tasks())
-    finally:
-        await close_quietly(service.stop(), "service")
-        await close_quietly(nc.drain(), "nats")
-        await close_quietly(redis.aclose(), "redis")
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    main(build)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from libs.protocol.tensor_meta import TensorMeta
+from libs.protocol.ids import AttemptRef
 from libs.protocol.messages import CallbackReady, Dispatch, RequestResult
+from libs.protocol.tensor_meta import TensorMeta
 
 
 @dataclass(frozen=True)
@@ -26,8 +27,7 @@ class SendCallback:
 class ReleaseAttempt:
     """Tell every executor to free the tensors of one attempt of a request."""
 
-    request_id: str
-    attempt: int
+    attempt: AttemptRef
 
 
 @dataclass(frozen=True)

@@ -6,12 +6,14 @@
   remaining critical-path time, execution time) to its best-fit executor, and charges its estimate.
 * ``fifo`` — requests in arrival order (each request's nodes in topological order).
 * ``sjf`` — shortest job first: the request with the least estimated total work first.
-* ``vtc`` — Virtual Token Counter adapted as in §6: counts workflow *operations* (dispatched
-  ModelFns) per tenant instead of GPU time, serving the tenant with the fewest, with the same lift.
+* ``vtc`` — Virtual Token Counter adapted as in paper §6: counts workflow *operations*
+  (dispatched ModelFns) per tenant instead of GPU time, serving the tenant with the fewest, with
+  the same lift.
 
-Every policy places with :func:`best_fit` and reports the estimate to charge, so vTime accounting
-is the same whichever policy orders the work; only the order differs. Policies see only the
-snapshot: no I/O, no clock, no mutation.
+Every policy places with :func:`best_fit` (which skips executors without arena room for a node's
+remote inputs) and reports the estimate to charge, so vTime accounting is the same whichever policy
+orders the work; only the order differs. Policies see only the snapshot: no I/O, no clock, no
+mutation.
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ def vtime_lifts(snapshot: Snapshot, slack_s: float = 0.0) -> dict[str, float]:
       joiner.
 
     Eligible tenants stay within Δ + L_max of each other under Layer 1. Joiners placed this way
-    start within Δ + L_max of every one of them, which makes the bound of §6 hold for every
+    start within Δ + L_max of every one of them, which makes the bound of paper §6 hold for every
     interval in which two tenants are eligible-backlogged. Lifting only up, or only against the
     continuously waiting tenants, does not: ``tests/unit/test_fairness_bound.py`` has the
     counterexamples hypothesis found.
@@ -118,12 +120,12 @@ def fair(snapshot: Snapshot, slack_s: float = 5.0) -> Decision:
 
         best = min(pool, key=score)
         ex = best_fit(best, free.values())
-        if ex is None:  # cannot happen for placeable nodes; guard against a bad snapshot
+        if ex is None:  # no idle executor that runs its ModelFn has room for its inputs
             remaining.remove(best)
             continue
         charge = charge_for(best, ex)
         v[best.tenant] = v.get(best.tenant, 0.0) + charge
-        out.append(Assignment(best.key, ex.id, charge))
+        out.append(Assignment(best.ref, ex.id, charge))
         remaining.remove(best)
         del free[ex.id]
     return Decision(out, lifts)
@@ -150,11 +152,11 @@ def vtc(snapshot: Snapshot) -> Decision:
             break
         best = min(candidates, key=lambda n: (ops.get(n.tenant, 0), n.submitted_at, n.request_id, n.order))
         ex = best_fit(best, free.values())
-        if ex is None:
+        if ex is None:  # no idle executor that runs its ModelFn has room for its inputs
             remaining.remove(best)
             continue
         ops[best.tenant] = ops.get(best.tenant, 0) + 1
-        out.append(Assignment(best.key, ex.id, charge_for(best, ex)))
+        out.append(Assignment(best.ref, ex.id, charge_for(best, ex)))
         remaining.remove(best)
         del free[ex.id]
     return Decision(out, op_lifts=op_lifts)

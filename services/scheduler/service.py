@@ -26,6 +26,7 @@ from redis.asyncio import Redis
 
 from libs.common.jetstream import ensure_intake_stream
 from libs.common.registry_client import RegistryClient, RegistryUnavailable, WorkflowNotFound
+from libs.common.service import run_all
 from libs.protocol.keys import Keys
 from libs.protocol.messages import (
     ExecutorGoodbye,
@@ -44,6 +45,7 @@ from libs.workflow.dag import unroll
 from libs.workflow.errors import ParamError
 from libs.workflow.params import resolve_params
 from services.scheduler.config import SchedulerConfig
+from services.scheduler.core import SchedulerCore
 from services.scheduler.effects import (
     ChargeVTime,
     Effect,
@@ -53,7 +55,6 @@ from services.scheduler.effects import (
     SendCallback,
     SendDispatch,
 )
-from services.scheduler.state import SchedulerCore
 from services.scheduler.vtime_store import VTimeStore
 
 log = logging.getLogger(__name__)
@@ -108,10 +109,11 @@ class SchedulerService:
             ),
         )
         self._subs.append(await self.nc.subscribe(self.subjects.sched_events, cb=self._on_event))
+        log.info("scheduler ready (namespace %s)", self.subjects.ns)
 
-    def tasks(self) -> list:
-        """The long-lived loops; the service stops if any of them dies."""
-        return [self.intake_loop(), self.io_loop(), self.tick_loop(), self.progress_loop()]
+    async def run(self) -> None:
+        """The long-lived loops; the service stops if any of them ends."""
+        await run_all(self.intake_loop(), self.io_loop(), self.tick_loop(), self.progress_loop())
 
     async def stop(self) -> None:
         if self._pull is not None:
@@ -208,7 +210,7 @@ class SchedulerService:
                 case ExecutorGoodbye(executor=ex):
                     effects = self.core.remove_executor(ex, now, "said goodbye")
             self._apply(effects + self.core.schedule(now))
-        except Exception:  # noqa: BLE001 - keep the loop alive (CONVENTIONS: log inside a tick)
+        except Exception:  # noqa: BLE001 - one bad event (or a core bug) is logged; the loop lives on
             log.exception("handling %s failed", type(ev).__name__)
 
     # -- effects ----------------------------------------------------------------------------------------
@@ -222,7 +224,7 @@ class SchedulerService:
                 self._io.put_nowait(e)  # in order: a callback's metadata follows its dispatch
 
     async def _send_dispatch(self, e: SendDispatch) -> None:
-        key = e.msg.key
+        node = e.msg.ref
         try:
             reply = await self.nc.request(
                 self.subjects.executor(e.executor), encode(e.msg), timeout=self.cfg.dispatch_timeout_s
@@ -234,10 +236,13 @@ class SchedulerService:
         except msgspec.DecodeError as ex:
             ok, seq, error = False, 0, f"malformed ack: {ex}"
         now = time.monotonic()
-        self._apply(
-            self.core.dispatch_result(key, e.executor, ok=ok, seq=seq, error=error, now=now)
-            + self.core.schedule(now)
-        )
+        try:
+            effects = self.core.dispatch_result(node, e.executor, ok=ok, seq=seq, error=error, now=now)
+            effects += self.core.schedule(now)
+        except Exception:  # noqa: BLE001 - e.g. an IllegalTransition (a core bug): log, keep serving
+            log.exception("handling the answer to dispatch %s failed", node)
+            return
+        self._apply(effects)
 
     async def io_loop(self) -> None:
         while True:
@@ -250,9 +255,9 @@ class SchedulerService:
                         await self._persist(e)
                     case SendCallback(executor=ex, msg=ready):
                         await self.nc.publish(self.subjects.executor(ex), encode(ready))
-                    case ReleaseAttempt(request_id=rid, attempt=attempt):
+                    case ReleaseAttempt(attempt=ref):
                         await self.nc.publish(
-                            self.subjects.executors_all, encode(ReleaseRequest(rid, attempt))
+                            self.subjects.executors_all, encode(ReleaseRequest(ref.request_id, ref.attempt))
                         )
                     case Finished(result=result, tenant=tenant):
                         await self._finish(result, tenant, self._intake_msgs.pop(result.request_id, None))

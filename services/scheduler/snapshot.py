@@ -1,7 +1,9 @@
 """What a scheduling policy sees: an immutable snapshot of ready nodes and idle executors.
 
-Policies are pure functions ``policy(snapshot) -> list[Assignment]`` (Ray Serve's autoscaling
-policy style): no I/O, no clock, no mutation, so tests drive them with hand-built snapshots.
+Policies are pure functions ``policy(snapshot) -> Decision`` (Ray Serve's autoscaling policy
+style): no I/O, no clock, no mutation, so tests drive them with hand-built snapshots. A
+:class:`Decision` carries the :class:`Assignment` of nodes to executors, in order, and the vTime
+lifts of tenants that (re)joined.
 """
 
 from __future__ import annotations
@@ -9,12 +11,15 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from libs.protocol.ids import ModelKey, NodeRef
 
-@dataclass(frozen=True, slots=True)
+
+@dataclass(frozen=True, slots=True, eq=False)
 class ReadyNode:
-    key: str  # request_id/attempt/node_id
-    request_id: str
-    node_id: str
+    """A node ready to run, as a policy sees it. Compared by identity: a snapshot holds each ready
+    node once, and policies remove the one they placed from their working list (a hot path)."""
+
+    ref: NodeRef
     tenant: str
     fn: str
     model: str
@@ -26,20 +31,30 @@ class ReadyNode:
     load_s: float = 0.0  # estimated load time, charged when the executor lacks the model
     remaining_s: float = 0.0  # estimated critical path from this node to the request's end
     job_s: float = 0.0  # estimated total work of the node's request (for SJF)
+    # ``ref.request_id``, kept as a slot: policies read it in every sort key (a hot path).
+    request_id: str = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "request_id", self.ref.request_id)
 
     @property
-    def model_key(self) -> str:
-        return model_key(self.fn, self.model)
+    def node_id(self) -> str:
+        return self.ref.node_id
+
+    @property
+    def model_key(self) -> ModelKey:
+        return ModelKey(self.fn, self.model)
 
 
 @dataclass(frozen=True, slots=True)
 class ExecutorInfo:
     id: str
     fns: frozenset[str]
-    resident: frozenset[str] = frozenset()  # model keys whose weights are loaded
+    resident: frozenset[ModelKey] = frozenset()  # models whose weights are loaded
     load: float = 0.0  # lower is less loaded (recent busy fraction)
-    arena_free: int = 0
+    arena_free: int = 0  # bytes free in its tensor arena, as of its last heartbeat
     kind: str = "cpu"
+    arena_capacity: int = 0  # 0: it reported no arena, so arena_free is not a constraint
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +78,7 @@ class Snapshot:
 
 @dataclass(frozen=True, slots=True)
 class Assignment:
-    node_key: str
+    node: NodeRef
     executor: str
     charge_s: float = 0.0  # the vTime estimate charged to the node's tenant at dispatch
 
@@ -82,25 +97,31 @@ def charge_for(node: ReadyNode, ex: ExecutorInfo) -> float:
     return node.est_s + (0.0 if node.model_key in ex.resident else node.load_s)
 
 
-def model_key(fn: str, model: str) -> str:
-    return f"{fn}|{model}"
-
-
 def best_fit(node: ReadyNode, executors: Iterable[ExecutorInfo]) -> ExecutorInfo | None:
-    """The idle executor that suits ``node`` best (DESIGN.md, "Dispatch goes to the best-fit").
+    """The idle executor that suits ``node`` best (docs/scheduling.md, "The policy").
 
-    Model already resident first (no load on the critical path), then the most input bytes already
-    local (no transfer), then the least loaded; the id breaks ties so the choice is deterministic.
+    Only executors that can run its ModelFn and have room for it: a consumer allocates the inputs it
+    pulls from other executors in its own arena, so an executor that reported an arena
+    (``arena_capacity > 0``) whose ``arena_free`` is less than the node's input bytes held elsewhere
+    is no fit. Among those: model already resident first (no load on the critical path), then the
+    most input bytes already local (no transfer), then the least loaded; the id breaks ties so the
+    choice is deterministic.
     """
     local: dict[str, int] = {}
+    total = 0
     for holder, nbytes in node.inputs:
         local[holder] = local.get(holder, 0) + nbytes
+        total += nbytes
+    model = node.model_key
     best: tuple | None = None
     choice: ExecutorInfo | None = None
     for ex in executors:
         if node.fn not in ex.fns:
             continue
-        rank = (node.model_key not in ex.resident, -local.get(ex.id, 0), ex.load, ex.id)
+        here = local.get(ex.id, 0)
+        if ex.arena_capacity > 0 and total - here > ex.arena_free:
+            continue
+        rank = (model not in ex.resident, -here, ex.load, ex.id)
         if best is None or rank < best:
             best, choice = rank, ex
     return choice
@@ -115,6 +136,6 @@ def place_in_order(nodes: Iterable[ReadyNode], snapshot: Snapshot) -> list[Assig
             break
         ex = best_fit(node, free.values())
         if ex is not None:
-            out.append(Assignment(node.key, ex.id, charge_for(node, ex)))
+            out.append(Assignment(node.ref, ex.id, charge_for(node, ex)))
             del free[ex.id]
     return out

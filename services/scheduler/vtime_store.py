@@ -1,7 +1,7 @@
 """Tenant counters in Redis, updated atomically by one Lua script per change (paper §6).
 
-A scheduler restart reads them back (:meth:`VTimeStore.load`), so vTime survives it. Lua numbers
-come back to Python truncated to integers (NOTES-substrate.md), so the script formats floats with
+A scheduler restart reads them back (:meth:`VTimeStore.load`), so vTime survives it. Redis converts
+a Lua number in a script's reply to an integer (truncating it), so the script formats floats with
 ``%.17g`` (round-trip exact) and returns strings.
 """
 

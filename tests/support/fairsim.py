@@ -12,13 +12,13 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
-from libs.protocol.tensor_meta import TensorMeta
 from libs.protocol.messages import ExecutorHeartbeat, ImageRef, ImageRequest, NodeComplete, NodeTiming
+from libs.protocol.tensor_meta import TensorMeta
 from libs.workflow.dag import Dag, DagNode, TensorSource
+from services.scheduler.core import SchedulerCore
 from services.scheduler.effects import ChargeVTime, SendDispatch
 from services.scheduler.estimates import Estimator
 from services.scheduler.policy import Policy
-from services.scheduler.state import SchedulerCore
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,7 @@ def simulate(policy: Policy, arrivals: list[Arrival], executors: int) -> Trace:
         accts = core.accounts
         waiting = {t: 0 for t in tenants}
         for run in core.runs.values():
-            waiting[run.req.tenant] += len(run.ready)
+            waiting[run.req.tenant] += len(run.nodes.ready)
         vt = {t: accts[t].vtime for t in tenants}
         # A tenant that arrives, returns or rejoins becomes eligible when this round's lift applies.
         joining = {t: accts[t].returning or not accts[t].waiting for t in tenants}
@@ -116,7 +116,9 @@ def simulate(policy: Policy, arrivals: list[Arrival], executors: int) -> Trace:
                 cost = costs[m.fn]
                 trace.max_charge = max(trace.max_charge, cost)
                 outs = {
-                    o.name: TensorMeta(f"{m.key}/{o.name}", eff.executor, "shm", "s", 0, 4, "float32", [1])
+                    o.name: TensorMeta(
+                        m.ref.output(o.name).encode(), eff.executor, "shm", "s", 0, 4, "float32", [1]
+                    )
                     for o in m.outputs
                     if o.consumers
                 }

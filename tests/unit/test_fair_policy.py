@@ -4,20 +4,22 @@ from __future__ import annotations
 
 import pytest
 
-from libs.protocol.messages import ExecutorHeartbeat, ImageRequest, NodeComplete, NodeTiming
+from libs.protocol.ids import ModelKey, NodeRef
+from libs.protocol.messages import ExecutorHeartbeat, ImageRef, ImageRequest, NodeComplete, NodeTiming
+from libs.protocol.tensor_meta import TensorMeta
 from libs.workflow.dag import Dag, DagNode, TensorSource
 from services.scheduler.accounting import Accounts
+from services.scheduler.core import SchedulerCore
 from services.scheduler.effects import ChargeVTime, SendDispatch
 from services.scheduler.estimates import Estimator, shape_key
 from services.scheduler.policy import fair, fifo, get_policy, sjf, vtc, vtime_lifts
-from services.scheduler.snapshot import ExecutorInfo, ReadyNode, Snapshot, TenantView
-from services.scheduler.state import SchedulerCore
+from services.scheduler.snapshot import Decision, ExecutorInfo, ReadyNode, Snapshot, TenantView, best_fit
 
 FNS = frozenset({"f.a", "f.b", "f.c"})
 
 
 def node(
-    key: str,
+    request_id: str,
     tenant: str,
     *,
     fn: str = "f.a",
@@ -30,14 +32,29 @@ def node(
     job: float = 1.0,
     inputs=(),
 ) -> ReadyNode:
-    rid = key.split("/")[0]
+    """The ready node ``x`` of attempt 1 of request ``request_id``."""
     return ReadyNode(
-        key, rid, key.rsplit("/", 1)[-1], tenant, fn, model, 0, submitted, ready, inputs, est, load, rem, job
+        NodeRef(request_id, 1, "x"), tenant, fn, model, 0, submitted, ready, inputs, est, load, rem, job
     )
 
 
-def ex(eid: str, resident=(), fns=FNS, load: float = 0.0) -> ExecutorInfo:
-    return ExecutorInfo(eid, frozenset(fns), frozenset(resident), load)
+def ex(
+    eid: str, resident=(), fns=FNS, load: float = 0.0, arena_free: int = 0, arena: int = 0
+) -> ExecutorInfo:
+    """An idle executor; ``resident`` names models as ``(fn, model)`` pairs, ``arena`` its capacity."""
+    return ExecutorInfo(
+        eid,
+        frozenset(fns),
+        frozenset(ModelKey(*m) for m in resident),
+        load,
+        arena_free=arena_free,
+        arena_capacity=arena,
+    )
+
+
+def placed(d: Decision) -> list[str]:
+    """The requests whose nodes a decision dispatches, in order."""
+    return [a.node.request_id for a in d.assignments]
 
 
 def snap(ready, idle, tenants, now: float = 10.0) -> Snapshot:
@@ -54,7 +71,7 @@ def test_a_joining_tenant_is_placed_between_the_least_served_eligible_tenant_and
         "rejoin": TenantView(vtime=52.0, rejoining=True),  # within [50, 55]: left as it is
         "idle": TenantView(vtime=0.0, returning=True),  # no ready work: not joining yet
     }
-    ready = [node(f"r{i}/1/x", t) for i, t in enumerate(("a", "new", "back_heavy", "rejoin"))]
+    ready = [node(f"r{i}", t) for i, t in enumerate(("a", "new", "back_heavy", "rejoin"))]
     assert vtime_lifts(snap(ready, [ex("e")], tenants), slack_s=5.0) == {"new": 50.0, "back_heavy": 55.0}
 
 
@@ -64,7 +81,7 @@ def test_tenants_joining_together_with_nobody_waiting_are_lifted_within_delta_of
         "g": TenantView(vtime=4.0, rejoining=True),
         "h": TenantView(vtime=13.0, returning=True),
     }
-    ready = [node("f/1/x", "f"), node("g/1/x", "g"), node("h/1/x", "h")]
+    ready = [node("f", "f"), node("g", "g"), node("h", "h")]
     assert vtime_lifts(snap(ready, [ex("e")], tenants), slack_s=1.0) == {"g": 14.0, "h": 14.0}
     assert vtime_lifts(snap(ready[:1], [ex("e")], {"f": TenantView(vtime=3.0, returning=True)})) == {}
 
@@ -72,10 +89,10 @@ def test_tenants_joining_together_with_nobody_waiting_are_lifted_within_delta_of
 def test_the_fair_policy_applies_the_lift_before_comparing_tenants():
     # Without the lift, "new" (vTime 0) would win; lifted to 30 it ties with b and the score decides.
     tenants = {"b": TenantView(vtime=30.0), "new": TenantView(vtime=0.0, returning=True)}
-    ready = [node("r1/1/x", "new", ready=9.0), node("r2/1/x", "b", ready=0.0)]
+    ready = [node("r1", "new", ready=9.0), node("r2", "b", ready=0.0)]
     d = fair(snap(ready, [ex("e")], tenants), slack_s=0.0)
     assert d.lifts == {"new": 30.0}
-    assert [a.node_key for a in d.assignments] == ["r2/1/x"]  # b waited 10 s, new 1 s
+    assert placed(d) == ["r2"]  # b waited 10 s, new 1 s
 
 
 # -- Layer 1 -----------------------------------------------------------------------------------------
@@ -83,80 +100,99 @@ def test_layer1_admits_only_tenants_within_the_slack_of_the_least_served_one():
     tenants = {"low": TenantView(vtime=10.0), "mid": TenantView(vtime=14.0), "high": TenantView(vtime=16.0)}
     # "high" has the best score (waited longest, shortest) but is 6 s ahead: out with slack 5.
     ready = [
-        node("h/1/x", "high", ready=0.0, est=0.1, rem=0.1),
-        node("m/1/x", "mid", ready=5.0, est=1.0, rem=5.0),
-        node("l/1/x", "low", ready=9.0, est=2.0, rem=9.0),
+        node("h", "high", ready=0.0, est=0.1, rem=0.1),
+        node("m", "mid", ready=5.0, est=1.0, rem=5.0),
+        node("l", "low", ready=9.0, est=2.0, rem=9.0),
     ]
     d = fair(snap(ready, [ex("e")], tenants), slack_s=5.0)
-    assert [a.node_key for a in d.assignments] == ["m/1/x"]  # mid is admitted (4 <= 5) and scores best
+    assert placed(d) == ["m"]  # mid is admitted (4 <= 5) and scores best
     d = fair(snap(ready, [ex("e")], tenants), slack_s=0.0)
-    assert [a.node_key for a in d.assignments] == ["l/1/x"]  # strict: only the least served
+    assert placed(d) == ["l"]  # strict: only the least served
     d = fair(snap(ready, [ex("e")], tenants), slack_s=100.0)
-    assert [a.node_key for a in d.assignments] == ["h/1/x"]  # loose: pure Layer 2
+    assert placed(d) == ["h"]  # loose: pure Layer 2
 
 
 def test_layer1_recomputes_after_each_charge_so_one_round_shares_executors_fairly():
     tenants = {"a": TenantView(vtime=0.0), "b": TenantView(vtime=0.0)}
-    ready = [node(f"a{i}/1/x", "a", est=2.0, ready=0.0) for i in range(3)] + [
-        node(f"b{i}/1/x", "b", est=2.0, ready=5.0) for i in range(3)
+    ready = [node(f"a{i}", "a", est=2.0, ready=0.0) for i in range(3)] + [
+        node(f"b{i}", "b", est=2.0, ready=5.0) for i in range(3)
     ]
     d = fair(snap(ready, [ex(f"e{i}") for i in range(4)], tenants), slack_s=1.0)
-    owners = [a.node_key[0] for a in d.assignments]
+    owners = [rid[0] for rid in placed(d)]
     assert sorted(owners) == ["a", "a", "b", "b"]  # a leads by 2 > 1 after each dispatch: alternate
     assert all(a.charge_s == 2.0 for a in d.assignments)
 
 
 def test_layer1_ignores_tenants_whose_ready_work_no_idle_executor_can_run():
     tenants = {"a": TenantView(vtime=0.0), "b": TenantView(vtime=50.0)}
-    ready = [node("a/1/x", "a", fn="f.gpu_only"), node("b/1/x", "b")]
+    ready = [node("a", "a", fn="f.gpu_only"), node("b", "b")]
     d = fair(snap(ready, [ex("e")], tenants), slack_s=0.0)
-    assert [a.node_key for a in d.assignments] == ["b/1/x"]  # work-conserving
+    assert placed(d) == ["b"]  # work-conserving
 
 
 # -- Layer 2 -----------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("ready", "winner"),
     [
-        ([node("w/1/x", "a", ready=0.0), node("n/1/x", "a", ready=9.0)], "w/1/x"),  # waited longer
-        ([node("s/1/x", "a", rem=1.0), node("l/1/x", "a", rem=20.0)], "s/1/x"),  # less remaining work
-        ([node("q/1/x", "a", est=0.1, rem=5.0), node("p/1/x", "a", est=4.0, rem=5.0)], "q/1/x"),  # faster
+        ([node("w", "a", ready=0.0), node("n", "a", ready=9.0)], "w"),  # waited longer
+        ([node("s", "a", rem=1.0), node("l", "a", rem=20.0)], "s"),  # less remaining work
+        ([node("q", "a", est=0.1, rem=5.0), node("p", "a", est=4.0, rem=5.0)], "q"),  # faster
     ],
     ids=["waiting", "remaining", "execution"],
 )
 def test_layer2_scores_waiting_minus_remaining_minus_execution(ready, winner):
     d = fair(snap(ready, [ex("e")], {"a": TenantView()}), slack_s=5.0)
-    assert d.assignments[0].node_key == winner
+    assert placed(d)[0] == winner
 
 
 def test_layer2_normalises_each_term_so_seconds_and_ratios_are_comparable():
     # w: 10 vs 0 s (normalised 1 vs 0); r: 100 vs 50 (1 vs .5); e: equal. Scores: 1-1-1 = -1 vs 0-.5-1 = -1.5
     ready = [
-        node("old/1/x", "a", ready=0.0, rem=100.0, est=1.0),
-        node("new/1/x", "a", ready=10.0, rem=50.0, est=1.0),
+        node("old", "a", ready=0.0, rem=100.0, est=1.0),
+        node("new", "a", ready=10.0, rem=50.0, est=1.0),
     ]
     d = fair(snap(ready, [ex("e")], {"a": TenantView()}), slack_s=5.0)
-    assert d.assignments[0].node_key == "old/1/x"
+    assert placed(d)[0] == "old"
 
 
 # -- placement and charges ----------------------------------------------------------------------------
 def test_best_fit_placement_and_load_is_charged_only_where_the_model_is_not_resident():
     tenants = {"a": TenantView()}
-    n = node("r/1/x", "a", est=1.0, load=3.0, inputs=(("e2", 100),))
-    d = fair(snap([n], [ex("e1"), ex("e2"), ex("e3", resident={"f.a|m"})], tenants))
+    n = node("r", "a", est=1.0, load=3.0, inputs=(("e2", 100),))
+    d = fair(snap([n], [ex("e1"), ex("e2"), ex("e3", resident={("f.a", "m")})], tenants))
     assert d.assignments[0].executor == "e3" and d.assignments[0].charge_s == 1.0
     d = fair(snap([n], [ex("e1", load=1.0), ex("e2", load=5.0)], tenants))
     assert d.assignments[0].executor == "e2" and d.assignments[0].charge_s == 4.0  # input local beats load
 
 
+def test_a_node_goes_to_an_idle_executor_whose_arena_has_room_for_the_inputs_it_must_pull():
+    tenants = {"a": TenantView()}
+    n = node("r", "a", inputs=(("e0", 60), ("e9", 40)))  # 100 bytes, on executors that are busy
+    full = ex("e1", resident={("f.a", "m")}, arena=1000, arena_free=99)  # otherwise the best fit
+    roomy = ex("e2", load=5.0, arena=1000, arena_free=100)
+    d = fair(snap([n], [full, roomy], tenants))
+    assert [(a.node, a.executor) for a in d.assignments] == [(n.ref, "e2")]
+    # Bytes already in an executor's arena need no room there: the holder of 60 pulls only 40.
+    holder = ex("e0", load=9.0, arena=1000, arena_free=40)
+    assert best_fit(n, [roomy, holder]).id == "e0"
+    # An executor that reported no arena (capacity 0) is not held to its arena_free.
+    assert best_fit(n, [ex("e3")]).id == "e3"
+    # With room nowhere the node waits, and other work that fits takes the executor.
+    other = node("s", "b")
+    d = fair(snap([n, other], [full], {"a": TenantView(), "b": TenantView(vtime=100.0)}), slack_s=0.0)
+    assert placed(d) == ["s"]
+    assert placed(fifo(snap([n, other], [full], tenants))) == ["s"]
+
+
 def test_baselines_order_by_arrival_job_size_and_operation_count():
     tenants = {"a": TenantView(ops=10), "b": TenantView(ops=2)}
-    ready = [node("big/1/x", "a", submitted=0.0, job=60.0), node("small/1/x", "b", submitted=5.0, job=1.0)]
+    ready = [node("big", "a", submitted=0.0, job=60.0), node("small", "b", submitted=5.0, job=1.0)]
     one = [ex("e")]
-    assert fifo(snap(ready, one, tenants)).assignments[0].node_key == "big/1/x"
-    assert sjf(snap(ready, one, tenants)).assignments[0].node_key == "small/1/x"
-    assert vtc(snap(ready, one, tenants)).assignments[0].node_key == "small/1/x"
+    assert placed(fifo(snap(ready, one, tenants)))[0] == "big"
+    assert placed(sjf(snap(ready, one, tenants)))[0] == "small"
+    assert placed(vtc(snap(ready, one, tenants)))[0] == "small"
     tenants = {"a": TenantView(ops=10), "back": TenantView(ops=0, returning=True)}
-    ready = [node("x/1/x", "a"), node("y/1/x", "back")]
+    ready = [node("x", "a"), node("y", "back")]
     assert vtc(snap(ready, one, tenants)).op_lifts == {"back": 10}
     with pytest.raises(ValueError, match="unknown scheduling policy"):
         get_policy("lottery")
@@ -175,14 +211,9 @@ def chain(n: int, fn: str = "f.a") -> Dag:
 
 
 def done(d: SendDispatch, total_s: float, load_s: float = 0.0) -> NodeComplete:
-    from libs.protocol.tensor_meta import TensorMeta
-    from libs.protocol.messages import ImageRef
-
     m = d.msg
     outs = {
-        o.name: TensorMeta(
-            f"{m.request_id}/{m.attempt}/{m.node_id}/{o.name}", d.executor, "shm", "s", 0, 4, "float32", [1]
-        )
+        o.name: TensorMeta(m.ref.output(o.name).encode(), d.executor, "shm", "s", 0, 4, "float32", [1])
         for o in m.outputs
         if o.consumers
     }
@@ -223,7 +254,7 @@ def test_a_dispatch_the_executor_never_accepted_is_refunded():
     core.on_heartbeat(ExecutorHeartbeat("e1", "cpu", "shm", "s", ["f.a"]), 0.0)
     core.add_request(ImageRequest("r1", "alice", "w", 1, {}, 0.0), chain(1), attempt=1, now=0.0)
     (d,) = [e for e in core.schedule(0.0) if isinstance(e, SendDispatch)]
-    effects = core.dispatch_result(d.msg.key, "e1", ok=False, seq=0, error="no responders", now=0.1)
+    effects = core.dispatch_result(d.msg.ref, "e1", ok=False, seq=0, error="no responders", now=0.1)
     assert ChargeVTime("alice", delta=-1.0, ops=-1) in effects
     assert core.accounts["alice"].vtime == 0.0 and core.accounts["alice"].ops == 0
 

@@ -14,10 +14,17 @@ from libs.common.service import own, run_forever, serve
 
 
 class Recorder:
-    def __init__(self, events: list[str], run: object = None, fail_start: bool = False) -> None:
+    def __init__(
+        self,
+        events: list[str],
+        run: object = None,
+        fail_start: bool = False,
+        running: asyncio.Event | None = None,
+    ) -> None:
         self.events = events
         self._run = run
         self.fail_start = fail_start
+        self.running = running or asyncio.Event()
 
     async def start(self) -> None:
         self.events.append("start")
@@ -26,6 +33,7 @@ class Recorder:
 
     async def run(self) -> None:
         self.events.append("run")
+        self.running.set()
         if self._run is None:
             await run_forever()
         else:
@@ -48,9 +56,9 @@ def builder(events: list[str], **kw: object):
 
 async def test_a_signal_stops_the_service_and_then_closes_its_connections():
     events: list[str] = []
-    task = asyncio.create_task(serve(builder(events)))
-    while "run" not in events:
-        await asyncio.sleep(0.01)
+    running = asyncio.Event()
+    task = asyncio.create_task(serve(builder(events, running=running)))
+    await asyncio.wait_for(running.wait(), 10)
     os.kill(os.getpid(), signal.SIGTERM)
     await asyncio.wait_for(task, 10)
     assert events == ["start", "run", "stop", "close connection"]

@@ -25,8 +25,8 @@ from typing import Any
 
 from libs.dataplane.arena import Arena
 from libs.dataplane.errors import ArenaClosedError, DataPlaneError, TransportError
-from libs.protocol.tensor_meta import TensorMeta
 from libs.dataplane.transport.base import Transport
+from libs.protocol.tensor_meta import TensorMeta
 
 #: Headroom added to NVSHMEM_SYMMETRIC_SIZE beyond the arena (NVSHMEM's own symmetric objects).
 _HEAP_HEADROOM = 256 << 20

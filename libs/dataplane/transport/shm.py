@@ -13,8 +13,8 @@ from collections import OrderedDict
 
 from libs.dataplane.arena import Segment, ShmArena, segment_name
 from libs.dataplane.errors import DataPlaneError, TransportError
-from libs.protocol.tensor_meta import TensorMeta
 from libs.dataplane.transport.base import Transport, copy_bytes
+from libs.protocol.tensor_meta import TensorMeta
 
 
 class ShmTransport(Transport):

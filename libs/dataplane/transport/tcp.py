@@ -23,8 +23,8 @@ from collections import defaultdict
 
 from libs.dataplane.arena import HeapArena
 from libs.dataplane.errors import DataPlaneError, TransportError
-from libs.protocol.tensor_meta import TensorMeta
 from libs.dataplane.transport.base import Transport
+from libs.protocol.tensor_meta import TensorMeta
 
 log = logging.getLogger(__name__)
 

@@ -5,10 +5,15 @@ carries out the :class:`Effect` values the calls return (send a dispatch, persis
 a result). Nothing here awaits, sleeps or reads a clock: time comes in as ``now`` (monotonic
 seconds), so tests drive the core with hand-built events (vLLM's ``EngineCore.step()`` shape).
 
-Life of a request (paper §4): ``add_request`` instantiates its DAG and marks the roots ready;
-``schedule`` asks the policy which ready node goes to which idle executor; ``on_complete`` records
-the outputs' metadata and releases successors whose inputs are now all available; when the last
-node completes the request finishes with the workflow outputs (PNG references).
+Life of a request (paper §4): ``add_request`` instantiates its DAG, one
+:class:`~services.scheduler.lifecycle.NodeRecord` per node, with the roots ready; ``schedule`` asks
+the policy which ready node goes to which idle executor; ``on_complete`` records the outputs'
+metadata and releases successors whose inputs are now all available; when the last node completes
+the request finishes with the workflow outputs (PNG references). Every change of a node's state is
+a transition of its attempt's :class:`~services.scheduler.lifecycle.NodeTable`, which refuses one
+that does not start from the node's state (:class:`~services.scheduler.errors.IllegalTransition`);
+events that arrive stale (a completion of a restarted attempt, an answer to a dispatch that was
+already requeued) are recognised here and dropped before any transition.
 
 Failures: a retryable node failure retries that node; losing an executor restarts every request
 that had a node running there or still needs a tensor it held, as a new *attempt* (ModelFns are
@@ -20,7 +25,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 
-from libs.protocol.tensor_meta import TensorMeta
+from libs.protocol.ids import AttemptRef, ModelKey, NodeRef, image_object
 from libs.protocol.messages import (
     CallbackReady,
     ConstInput,
@@ -37,8 +42,8 @@ from libs.protocol.messages import (
     RequestResult,
     TensorInput,
     TensorListInput,
-    node_key,
 )
+from libs.protocol.tensor_meta import TensorMeta
 from libs.workflow.dag import Const, Dag, ImageSource, LoraSource, TensorSource
 from services.scheduler.accounting import Accounts
 from services.scheduler.effects import (
@@ -50,8 +55,9 @@ from services.scheduler.effects import (
     SendDispatch,
 )
 from services.scheduler.estimates import Estimator, shape_key
+from services.scheduler.lifecycle import NodeRecord, NodeState, NodeTable
 from services.scheduler.policy import Policy
-from services.scheduler.records import ExecutorState, NodeStatus, RequestRun, metas_of, split_key
+from services.scheduler.records import ExecutorState, RequestRun, metas_of
 from services.scheduler.snapshot import ExecutorInfo, ReadyNode, Snapshot
 
 log = logging.getLogger(__name__)
@@ -78,7 +84,7 @@ class SchedulerCore:
         self.max_restarts = max_restarts
         self.executors: dict[str, ExecutorState] = {}
         self.runs: dict[str, RequestRun] = {}  # request id -> current attempt
-        self._known_keys: OrderedDict[str, None] = OrderedDict()  # node keys we dispatched (bounded)
+        self._dispatched: OrderedDict[NodeRef, None] = OrderedDict()  # nodes we dispatched (bounded)
 
     # -- requests ----------------------------------------------------------------------------------
     def add_request(self, req: ImageRequest, dag: Dag, *, attempt: int, now: float) -> list[Effect]:
@@ -92,36 +98,34 @@ class SchedulerCore:
     def _new_run(
         self, req: ImageRequest, dag: Dag, attempt: int, arrived: float, deadline: float
     ) -> RequestRun:
-        run = RequestRun(
-            req=req,
-            dag=dag,
-            attempt=attempt,
-            arrived=arrived,
-            deadline=deadline,
-            status={n: NodeStatus.WAITING for n in dag.nodes},
-            remaining={n.id: len(n.deps) for n in dag.nodes.values()},
-            reads_left=dict(dag.consumers),
-            cb_waiting={n.id: set(n.cb_deps) for n in dag.nodes.values() if n.cb_deps},
-        )
-        for n in dag.nodes.values():
-            self._check_ready(run, n.id, arrived)
         # Remaining critical-path time per node (Layer 2's r), from the current estimates.
         est = {n.id: self.estimator.estimate(n.fn, n.model) for n in dag.nodes.values()}
+        critical: dict[str, float] = {}
         for node_id in reversed(dag.nodes):
-            tail = max((run.critical[s] for s in dag.successors[node_id]), default=0.0)
-            run.critical[node_id] = est[node_id] + tail
-        run.job_s = sum(est.values())
-        return run
+            tail = max((critical[s] for s in dag.successors[node_id]), default=0.0)
+            critical[node_id] = est[node_id] + tail
+        ref = AttemptRef(req.request_id, attempt)
+        return RequestRun(
+            req=req,
+            dag=dag,
+            ref=ref,
+            arrived=arrived,
+            deadline=deadline,
+            nodes=NodeTable(ref, dag, critical, arrived),
+            reads_left=dict(dag.consumers),
+            job_s=sum(est.values()),
+        )
 
-    def _check_ready(self, run: RequestRun, node_id: str, now: float) -> None:
-        """A node is ready when its ordinary inputs exist and its callback producers have started."""
-        if (
-            run.status[node_id] is NodeStatus.WAITING
-            and run.remaining[node_id] == 0
-            and not run.cb_waiting.get(node_id)
-        ):
-            run.status[node_id] = NodeStatus.READY
-            run.ready[node_id] = now
+    def _in_flight(self, node: NodeRef, executor_id: str) -> tuple[RequestRun, NodeRecord] | None:
+        """The current attempt's record of ``node`` if it is in flight on ``executor_id``; None when
+        an event about it is stale (its attempt restarted or ended, or it was requeued meanwhile)."""
+        run = self.runs.get(node.request_id)
+        if run is None or run.attempt != node.attempt:
+            return None
+        rec = run.nodes.get(node.node_id)
+        if rec is None or not rec.in_flight or rec.executor != executor_id:
+            return None
+        return run, rec
 
     @property
     def active(self) -> int:
@@ -138,18 +142,45 @@ class SchedulerCore:
             log.info("executor %s joined (%s, %d ModelFns)", hb.executor, hb.kind, len(hb.fns))
         ex.last_seen = now
         ex.fns = frozenset(hb.fns)
-        ex.resident = frozenset(hb.resident)
+        resident, running = self._decode_report(ex, hb)
+        ex.resident = resident
+        ex.arena_capacity = hb.arena_capacity
         ex.arena_free = hb.arena_free
         ex.suspect = False
-        ex.foreign = tuple(k for k in hb.running if k not in self._known_keys)
+        ex.foreign = tuple(r for r in running if r not in self._dispatched)
         effects: list[Effect] = []
-        if ex.running and ex.acked_seq is not None and hb.seq > ex.acked_seq and ex.running not in hb.running:
+        if ex.running and ex.acked_seq is not None and hb.seq > ex.acked_seq and ex.running not in running:
             # It accepted the node, later reported itself not running it, and no completion came:
             # the completion was lost (core NATS is at-most-once). Run the node again.
             log.warning("completion of %s on %s was lost; retrying the node", ex.running, ex.id)
             effects += self._requeue(ex.running, ex.id, now, reason="completion lost")
             ex.running = None
         return effects
+
+    def _decode_report(
+        self, ex: ExecutorState, hb: ExecutorHeartbeat
+    ) -> tuple[frozenset[ModelKey], list[NodeRef]]:
+        """The resident models and running nodes a heartbeat reports, without the identifiers that
+        do not parse (logged once per change: a bad report off the bus must not stop the service)."""
+        resident: list[ModelKey] = []
+        running: list[NodeRef] = []
+        bad: list[str] = []
+        for raw in hb.resident:
+            try:
+                resident.append(ModelKey.decode(raw))
+            except ValueError:
+                bad.append(raw)
+        for raw in hb.running:
+            try:
+                running.append(NodeRef.decode(raw))
+            except ValueError:
+                bad.append(raw)
+        malformed = frozenset(bad)
+        if malformed != ex.malformed:
+            ex.malformed = malformed
+            if malformed:
+                log.warning("executor %s reported malformed identifiers, ignored: %s", ex.id, sorted(bad))
+        return frozenset(resident), running
 
     def remove_executor(self, executor_id: str, now: float, reason: str) -> list[Effect]:
         ex = self.executors.pop(executor_id, None)
@@ -158,7 +189,7 @@ class SchedulerCore:
         log.warning("executor %s removed: %s", executor_id, reason)
         effects: list[Effect] = []
         for run in list(self.runs.values()):
-            if executor_id in run.running.values() or any(
+            if any(rec.executor == executor_id for rec in run.nodes.in_flight.values()) or any(
                 m.executor == executor_id and run.reads_left.get(src, 0) > 0
                 for src, meta in run.tensors.items()
                 for m in metas_of(meta)
@@ -167,24 +198,28 @@ class SchedulerCore:
         return effects
 
     def dispatch_result(
-        self, key: str, executor_id: str, *, ok: bool, seq: int, error: str, now: float
+        self, node: NodeRef, executor_id: str, *, ok: bool, seq: int, error: str, now: float
     ) -> list[Effect]:
         """The executor answered a dispatch (``ok``) or did not (``error`` says why)."""
         ex = self.executors.get(executor_id)
-        if ex is None or ex.running != key:
+        if ex is None or ex.running != node:
             return []
+        found = self._in_flight(node, executor_id)
         if ok:
             ex.acked_seq = seq
+            # A completion may have overtaken the answer, and a retry sent to the same executor may
+            # find the answer to its first dispatch: only a node still DISPATCHED moves on.
+            if found is not None and found[1].state is NodeState.DISPATCHED:
+                found[0].nodes.accept(node.node_id)
             return []
-        log.warning("dispatch of %s to %s failed: %s", key, executor_id, error)
+        log.warning("dispatch of %s to %s failed: %s", node, executor_id, error)
         ex.running = None
         ex.suspect = True
-        request_id, attempt, node_id = split_key(key)
-        run = self.runs.get(request_id)
-        refund: list[Effect] = []
-        if run is not None and run.attempt == attempt and run.running.get(node_id) == executor_id:
-            refund.append(self.accounts.refund(run.req.tenant, run.charges.pop(node_id, 0.0)))
-        return refund + self._requeue(key, executor_id, now, reason=error, count_retry=False)
+        if found is None:
+            return []
+        run, rec = found
+        refund = self.accounts.refund(run.req.tenant, rec.charge_s)
+        return [refund, *self._requeue(node, executor_id, now, reason=error, retry=False)]
 
     def expire(self, now: float) -> list[Effect]:
         effects: list[Effect] = []
@@ -203,30 +238,29 @@ class SchedulerCore:
         kind = next(iter(kinds)) if len(kinds) == 1 else None  # estimates per kind when unambiguous
         ready = []
         for run in self.runs.values():
-            for node_id, since in run.ready.items():
-                node = run.dag.nodes[node_id]
+            tensors = run.tensors
+            for rec in run.nodes.ready.values():
+                node = rec.node
                 inputs = tuple(
                     (m.executor, m.nbytes)
                     for s in node.inputs.values()
-                    if isinstance(s, TensorSource) and s in run.tensors
-                    for m in metas_of(run.tensors[s])
+                    if isinstance(s, TensorSource) and s in tensors
+                    for m in metas_of(tensors[s])
                 )
-                shapes = self._shapes(run, node_id)
+                shapes = self._shapes(run, node.id)
                 ready.append(
                     ReadyNode(
-                        key=node_key(run.request_id, run.attempt, node_id),
-                        request_id=run.request_id,
-                        node_id=node_id,
+                        ref=rec.ref,
                         tenant=run.req.tenant,
                         fn=node.fn,
                         model=node.model,
                         order=node.order,
                         submitted_at=run.arrived,
-                        ready_since=since,
+                        ready_since=rec.ready_since,
                         inputs=inputs,
                         est_s=self.estimator.estimate(node.fn, node.model, shapes, kind),
                         load_s=self.estimator.load_estimate(node.fn, node.model, kind),
-                        remaining_s=run.critical[node_id],
+                        remaining_s=rec.critical_s,
                         job_s=run.job_s,
                     )
                 )
@@ -238,6 +272,7 @@ class SchedulerCore:
                 load=self._load(e, now),
                 arena_free=e.arena_free,
                 kind=e.kind,
+                arena_capacity=e.arena_capacity,
             )
             for e in idle_execs
         )
@@ -255,12 +290,12 @@ class SchedulerCore:
         """Run the policy: lifts for tenants that (re)joined, then dispatches to idle executors.
 
         With no idle executor the policy still runs when a tenant with ready work is new, returning
-        or rejoining, so its lift takes effect the moment it becomes eligible (§6's bound is stated
-        from that point on), not when an executor next frees up.
+        or rejoining, so its lift takes effect the moment it becomes eligible (the bound of paper §6
+        is stated from that point on), not when an executor next frees up.
         """
         has_idle = any(e.idle for e in self.executors.values())
         if not has_idle:
-            with_ready = {run.req.tenant for run in self.runs.values() if run.ready}
+            with_ready = {run.req.tenant for run in self.runs.values() if run.nodes.ready}
             due = any(self.accounts[t].returning or not self.accounts[t].waiting for t in with_ready)
             if not due:
                 self._note_waiting()
@@ -285,48 +320,50 @@ class SchedulerCore:
             self._note_waiting()
             return effects
         for a in decision.assignments:
-            request_id, attempt, node_id = split_key(a.node_key)
-            run = self.runs.get(request_id)
+            run = self.runs.get(a.node.request_id)
             ex = self.executors.get(a.executor)
-            if run is None or run.attempt != attempt or node_id not in run.ready or ex is None or not ex.idle:
-                log.error("policy returned an invalid assignment %s -> %s; ignored", a.node_key, a.executor)
+            if (
+                run is None
+                or run.attempt != a.node.attempt
+                or a.node.node_id not in run.nodes.ready
+                or ex is None
+                or not ex.idle
+            ):
+                log.error("policy returned an invalid assignment %s -> %s; ignored", a.node, a.executor)
                 continue
-            effects += self._dispatch(run, node_id, ex, now, a.charge_s)
+            effects += self._dispatch(run, a.node.node_id, ex, now, a.charge_s)
         self._note_waiting()
         return effects
 
     def _note_waiting(self) -> None:
-        """Record which tenants are left with ready work waiting (eligible-backlogged, §6)."""
-        waiting = {run.req.tenant for run in self.runs.values() if run.ready}
+        """Record which tenants are left with ready work waiting (eligible-backlogged, paper §6)."""
+        waiting = {run.req.tenant for run in self.runs.values() if run.nodes.ready}
         for name, acct in self.accounts.tenants.items():
             acct.waiting = name in waiting
 
     def _dispatch(
         self, run: RequestRun, node_id: str, ex: ExecutorState, now: float, charge_s: float
     ) -> list[Effect]:
-        node = run.dag.nodes[node_id]
-        run.charges[node_id] = charge_s
-        run.shapes[node_id] = self._shapes(run, node_id)
-        run.kinds[node_id] = ex.kind
-        del run.ready[node_id]
-        run.status[node_id] = NodeStatus.RUNNING
-        run.running[node_id] = ex.id
-        key = node_key(run.request_id, run.attempt, node_id)
-        ex.running, ex.acked_seq = key, None
+        # Its callback consumers may start from now on (paper §5.2): they become ready here.
+        rec = run.nodes.dispatch(
+            node_id, ex.id, now, charge_s=charge_s, shapes=self._shapes(run, node_id), kind=ex.kind
+        )
+        node = rec.node
+        ex.running, ex.acked_seq = rec.ref, None
         ex.load = self._load(ex, now) + 1.0
         ex.load_at = now
-        self._known_keys[key] = None
-        while len(self._known_keys) > 100_000:
-            self._known_keys.popitem(last=False)
+        self._dispatched[rec.ref] = None
+        while len(self._dispatched) > 100_000:
+            self._dispatched.popitem(last=False)
         inputs: dict[str, InputBinding] = {}
         for name, src in node.inputs.items():
-            inputs[name] = self._binding(run, node_id, name, src)
+            inputs[name] = self._binding(run, rec, name, src)
         sinks = {src: name for name, src in run.dag.outputs.items()}
         outputs = [
             OutputPlan(
                 name=out,
                 consumers=run.dag.consumers.get(TensorSource(node_id, out), 0),
-                sink=f"{run.request_id}/{sinks[TensorSource(node_id, out)]}.png"
+                sink=image_object(run.request_id, sinks[TensorSource(node_id, out)])
                 if TensorSource(node_id, out) in sinks
                 else "",
             )
@@ -344,16 +381,11 @@ class SchedulerCore:
             callbacks=sorted(node.callbacks),
         )
         effects: list[Effect] = [SendDispatch(ex.id, msg), self.accounts.charge(run.req.tenant, charge_s)]
-        for consumer in run.dag.cb_successors.get(node_id, ()):  # they may start now (§5.2)
-            waiting = run.cb_waiting.get(consumer)
-            if waiting is not None:
-                waiting.discard(node_id)
-                self._check_ready(run, consumer, now)
-        if run.done == 0 and len(run.running) == 1:
+        if run.nodes.done == 0 and len(run.nodes.in_flight) == 1:
             effects.append(self._persist(run, status="running"))
         return effects
 
-    def _binding(self, run: RequestRun, node_id: str, name: str, src: object) -> InputBinding:
+    def _binding(self, run: RequestRun, rec: NodeRecord, name: str, src: object) -> InputBinding:
         if isinstance(src, Const):
             return ConstInput(src.value)
         if isinstance(src, ImageSource):
@@ -363,20 +395,22 @@ class SchedulerCore:
         assert isinstance(src, TensorSource)
         meta = run.tensors.get(src)
         if meta is None:  # a callback input whose producer is still running: forwarded later
-            run.pending.setdefault(node_id, {})[name] = src
+            rec.pending[name] = src
             return PendingInput(src.node, src.output)
         return TensorListInput(meta) if isinstance(meta, list) else TensorInput(meta)
 
     # -- completions -------------------------------------------------------------------------------
     def on_complete(self, msg: NodeComplete, now: float) -> list[Effect]:
+        ref = msg.ref
         ex = self.executors.get(msg.executor)
-        if ex is not None and ex.running == msg.key:
+        if ex is not None and ex.running == ref:
             ex.running = None
-        run = self.runs.get(msg.request_id)
-        if run is None or run.attempt != msg.attempt or run.running.get(msg.node_id) != msg.executor:
+        found = self._in_flight(ref, msg.executor)
+        if found is None:
             # A completion of an attempt that was restarted or already failed: free its outputs.
-            return [ReleaseAttempt(msg.request_id, msg.attempt)] if msg.outputs else []
-        node = run.dag.nodes[msg.node_id]
+            return [ReleaseAttempt(ref.attempt_ref)] if msg.outputs else []
+        run, rec = found
+        node = rec.node
         missing = [
             o
             for o in node.outputs
@@ -386,19 +420,12 @@ class SchedulerCore:
         missing += [o for o in sinks if o not in msg.sinks]
         if missing:
             return self._fail(run, f"node {node.id} ({node.fn}) returned no {missing}", code="workflow")
-        del run.running[msg.node_id]
-        run.status[msg.node_id] = NodeStatus.DONE
-        run.done += 1
+        run.nodes.complete(node.id, now)  # successors whose last input this was are ready now
         t = msg.timing
         self.estimator.observe(
-            node.fn,
-            node.model,
-            run.shapes.get(node.id, ""),
-            run.kinds.get(node.id, ""),
-            run_s=t.fetch_s + t.exec_s + t.store_s,
-            load_s=t.load_s,
+            node.fn, node.model, rec.shapes, rec.kind, run_s=t.fetch_s + t.exec_s + t.store_s, load_s=t.load_s
         )
-        correction = self.accounts.correct(run.req.tenant, run.charges.pop(node.id, 0.0), t.total_s)
+        correction = self.accounts.correct(run.req.tenant, rec.charge_s, t.total_s)
         run.executors.add(msg.executor)
         run.bytes_moved += msg.bytes_in
         run.gpu_s += msg.timing.total_s
@@ -410,78 +437,64 @@ class SchedulerCore:
                 run.tensors[src] = meta
                 new_tensors.update((m.tensor_id, m) for m in metas_of(meta))
         for consumer in run.dag.cb_successors.get(node.id, ()):  # running consumers wait for these
-            waiting = run.pending.get(consumer, {})
-            for name, src in list(waiting.items()):
-                if src.node == node.id and src in run.tensors and consumer in run.running:
+            c = run.nodes[consumer]
+            if not c.in_flight:  # it gets the tensor itself when it is dispatched
+                continue
+            for name, src in list(c.pending.items()):
+                if src.node == node.id and src in run.tensors:
                     ready = CallbackReady(run.request_id, run.attempt, consumer, name, run.tensors[src])
-                    forwards.append(SendCallback(run.running[consumer], ready))
+                    forwards.append(SendCallback(c.executor, ready))
                     run.callbacks_forwarded += 1
-                    del waiting[name]
+                    del c.pending[name]
         for inp in node.inputs.values():
             if isinstance(inp, TensorSource):
                 run.reads_left[inp] = run.reads_left.get(inp, 1) - 1
-        for out, ref in msg.sinks.items():
-            run.sinks[sinks[out]] = ref
-        for succ in run.dag.successors[node.id]:
-            run.remaining[succ] -= 1
-            self._check_ready(run, succ, now)
-        if run.done == len(run.dag.nodes):
+        for out, image in msg.sinks.items():
+            run.sinks[sinks[out]] = image
+        if run.nodes.done == len(run.nodes):
             return [correction, *forwards, *self._succeed(run)]
         return [correction, *forwards, self._persist(run, status="running", tensors=new_tensors)]
 
     def on_failed(self, msg: NodeFailed, now: float) -> list[Effect]:
+        ref = msg.ref
         ex = self.executors.get(msg.executor)
-        if ex is not None and ex.running == msg.key:
+        if ex is not None and ex.running == ref:
             ex.running = None
-        run = self.runs.get(msg.request_id)
-        if run is None or run.attempt != msg.attempt or run.running.get(msg.node_id) != msg.executor:
+        found = self._in_flight(ref, msg.executor)
+        if found is None:
             return []
+        run, rec = found
+        effects: list[Effect] = []
         if msg.unreachable and msg.unreachable != msg.executor and msg.unreachable in self.executors:
             # The node could not read a producer's tensor: treat the producer as lost now rather
             # than retrying until its heartbeat times out. That restarts this request (and every
             # other that needs its tensors); a producer that is in fact alive rejoins on its next beat.
-            run.running.pop(msg.node_id, None)
             effects = self.remove_executor(
                 msg.unreachable, now, f"unreachable from {msg.executor}: {msg.error}"
             )
             if self.runs.get(msg.request_id) is not run:
-                return effects
-            run.running[msg.node_id] = msg.executor
-        if msg.retryable and run.retries.get(msg.node_id, 0) < self.max_node_retries:
-            return self._requeue(msg.key, msg.executor, now, reason=msg.error)
-        node = run.dag.nodes[msg.node_id]
-        return self._fail(
-            run, f"node {msg.node_id} ({node.fn}) failed on {msg.executor}: {msg.error}", code="workflow"
+                return effects  # this attempt was restarted (or failed): its failure is moot
+        if msg.retryable and rec.retries < self.max_node_retries:
+            return effects + self._requeue(ref, msg.executor, now, reason=msg.error)
+        return effects + self._fail(
+            run, f"node {msg.node_id} ({rec.node.fn}) failed on {msg.executor}: {msg.error}", code="workflow"
         )
 
     # -- internals -----------------------------------------------------------------------------------
     def _requeue(
-        self, key: str, executor_id: str, now: float, reason: str, count_retry: bool = True
+        self, node: NodeRef, executor_id: str, now: float, reason: str, retry: bool = True
     ) -> list[Effect]:
-        request_id, attempt, node_id = split_key(key)
-        run = self.runs.get(request_id)
-        if run is None or run.attempt != attempt or run.running.get(node_id) != executor_id:
+        """Put an in-flight node back to ready (``retry``: a failed try, given up after too many)."""
+        found = self._in_flight(node, executor_id)
+        if found is None:
             return []
-        del run.running[node_id]
-        if count_retry:
-            run.retries[node_id] = run.retries.get(node_id, 0) + 1
-            if run.retries[node_id] > self.max_node_retries:
-                return self._fail(
-                    run,
-                    f"node {node_id} failed {run.retries[node_id]} times, last: {reason}",
-                    code="workflow",
-                )
-        run.status[node_id] = NodeStatus.READY
-        run.ready[node_id] = now
-        run.pending.pop(node_id, None)
-        for consumer in run.dag.cb_successors.get(node_id, ()):
-            # It is no longer running: consumers that have not started must wait for it again, so
-            # none sits on an executor waiting for a producer that has no executor (deadlock).
-            if run.status[consumer] in (NodeStatus.WAITING, NodeStatus.READY):
-                run.cb_waiting.setdefault(consumer, set()).add(node_id)
-                if run.status[consumer] is NodeStatus.READY:
-                    run.status[consumer] = NodeStatus.WAITING
-                    run.ready.pop(consumer, None)
+        run, rec = found
+        if retry and rec.retries >= self.max_node_retries:
+            return self._fail(
+                run, f"node {node.node_id} failed {rec.retries + 1} times, last: {reason}", code="workflow"
+            )
+        # Its callback consumers that have not started wait for it again (see lifecycle.py).
+        run.nodes.requeue(node.node_id, now, retry=retry)
         return []
 
     def _restart(self, run: RequestRun, now: float, reason: str) -> list[Effect]:
@@ -491,10 +504,7 @@ class SchedulerCore:
         fresh = self._new_run(run.req, run.dag, run.attempt + 1, arrived=run.arrived, deadline=run.deadline)
         fresh.restarts = run.restarts + 1
         self.runs[run.request_id] = fresh
-        return [
-            ReleaseAttempt(run.request_id, run.attempt),
-            self._persist(fresh, status="queued", restarted=reason),
-        ]
+        return [ReleaseAttempt(run.ref), self._persist(fresh, status="queued", restarted=reason)]
 
     def _succeed(self, run: RequestRun) -> list[Effect]:
         return self._end(run, "succeeded")
@@ -520,7 +530,7 @@ class SchedulerCore:
             gpu_s=run.gpu_s,
         )
         return [
-            ReleaseAttempt(run.request_id, run.attempt),
+            ReleaseAttempt(run.ref),
             self._persist(run, status=status, drop_tensors=True, error=error),
             Finished(result, run.req.tenant),
         ]
@@ -539,7 +549,7 @@ class SchedulerCore:
             "workflow": run.req.workflow,
             "attempt": run.attempt,
             "nodes_total": len(run.dag.nodes),
-            "nodes_done": run.done,
+            "nodes_done": run.nodes.done,
             "bytes_moved": run.bytes_moved,
             "gpu_s": round(run.gpu_s, 6),
             "executors": ",".join(sorted(run.executors)),
@@ -566,9 +576,9 @@ class SchedulerCore:
             }
         for run in self.runs.values():
             d = out.setdefault(run.req.tenant, {"queued": 0, "ready_nodes": 0, "running_nodes": 0})
-            d["ready_nodes"] += len(run.ready)
-            d["running_nodes"] += len(run.running)
-            if run.done == 0 and not run.running:
+            d["ready_nodes"] += len(run.nodes.ready)
+            d["running_nodes"] += len(run.nodes.in_flight)
+            if run.nodes.done == 0 and not run.nodes.in_flight:
                 d["queued"] += 1
         return out
 
@@ -577,6 +587,6 @@ class SchedulerCore:
             "requests": len(self.runs),
             "executors": len(self.executors),
             "idle_executors": sum(1 for e in self.executors.values() if e.idle),
-            "ready_nodes": sum(len(r.ready) for r in self.runs.values()),
-            "running_nodes": sum(len(r.running) for r in self.runs.values()),
+            "ready_nodes": sum(len(r.nodes.ready) for r in self.runs.values()),
+            "running_nodes": sum(len(r.nodes.in_flight) for r in self.runs.values()),
         }
