@@ -34,6 +34,7 @@ from libs.common.redis_conn import connect_redis
 from libs.common.registry_client import RegistryUnavailable, WorkflowNotFound
 from libs.common.runner import close_quietly
 from libs.common.settings import CommonSettings
+from libs.protocol.ids import image_object
 from libs.protocol.keys import Keys
 from libs.protocol.messages import ImageRef, ImageRequest, LoraInfo, RequestResult
 from libs.protocol.subjects import Subjects
@@ -205,10 +206,11 @@ async def image_file(request: web.Request) -> web.Response:
     rid, name = request.match_info["request_id"], request.match_info["name"]
     bridge: Bridge = request.app[BRIDGE]
     owner = await bridge.request_tenant(rid)
-    if owner is None or owner != request[PRINCIPAL].tenant:
+    if owner is None or owner != request[PRINCIPAL].tenant or not name.endswith(".png"):
         raise ApiError(404, f"no image {rid}/{name}", code="not_found")
     png = await bridge.fetch_image(
-        ImageRef(bucket="", name=f"{rid}/{name}", nbytes=0, width=0, height=0), delete=False
+        ImageRef(bucket="", name=image_object(rid, name.removesuffix(".png")), nbytes=0, width=0, height=0),
+        delete=False,
     )
     if png is None:
         raise ApiError(404, f"image {rid}/{name} has expired or does not exist", code="not_found")
