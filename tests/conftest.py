@@ -101,3 +101,14 @@ def tiny_models(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("models")
     build_flux(root / "tiny-flux", preset="tiny")
     return root
+
+
+@pytest.fixture
+def one_torch_thread():
+    """Pin torch to one thread for a test (the thread count changes the bits of CPU kernels)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -127,6 +127,14 @@ class SchedulerCore:
             return None
         return run, rec
 
+    def _ended_on(self, node: NodeRef, executor_id: str) -> tuple[RequestRun, NodeRecord] | None:
+        """A node ended on an executor (completed or failed): the executor is free of it; then as
+        :meth:`_in_flight`."""
+        ex = self.executors.get(executor_id)
+        if ex is not None and ex.running == node:
+            ex.running = None
+        return self._in_flight(node, executor_id)
+
     @property
     def active(self) -> int:
         return len(self.runs)
@@ -402,10 +410,7 @@ class SchedulerCore:
     # -- completions -------------------------------------------------------------------------------
     def on_complete(self, msg: NodeComplete, now: float) -> list[Effect]:
         ref = msg.ref
-        ex = self.executors.get(msg.executor)
-        if ex is not None and ex.running == ref:
-            ex.running = None
-        found = self._in_flight(ref, msg.executor)
+        found = self._ended_on(ref, msg.executor)
         if found is None:
             # A completion of an attempt that was restarted or already failed: free its outputs.
             return [ReleaseAttempt(ref.attempt_ref)] if msg.outputs else []
@@ -457,10 +462,7 @@ class SchedulerCore:
 
     def on_failed(self, msg: NodeFailed, now: float) -> list[Effect]:
         ref = msg.ref
-        ex = self.executors.get(msg.executor)
-        if ex is not None and ex.running == ref:
-            ex.running = None
-        found = self._in_flight(ref, msg.executor)
+        found = self._ended_on(ref, msg.executor)
         if found is None:
             return []
         run, rec = found

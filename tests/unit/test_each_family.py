@@ -15,7 +15,6 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,6 @@ from tests.unit.family_signatures import EXPECTED_IO
 from tests.unit.model_families import FAMILIES, HARNESSES, Harness, harness, submodule
 
 # diffusers' DPM-Solver builds its sigmas with np.array(tensor, copy=False) (numpy 2 warns).
-pytestmark = pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning")
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -57,13 +55,11 @@ CONTROLNET_FNS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    # The thread count changes the bits: pin it for pipelines and nodes alike.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# The thread count changes the bits: pipelines and nodes alike run on one thread.
+pytestmark = [
+    pytest.mark.usefixtures("one_torch_thread"),
+    pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning"),
+]
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ fetches, signatures, entry points) is ``test_each_family.py``; the harness is
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,14 +23,8 @@ from libs.models.tiny_flux import LORA_NAME, build, lora_manifest_path, read_man
 from libs.workflow.local import LocalRunner
 from tests.unit.model_families import NEGATIVE, Flux, harness
 
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    # The thread count changes the bits: pin it for pipelines and nodes alike.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# The thread count changes the bits: pipelines and nodes alike run on one thread.
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ Signatures, entry points and the scheduler step's schedule check are ``test_each
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,13 +45,8 @@ class Node:
         return out
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    # The thread count changes the bits: pin it for pipeline and nodes alike.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# The thread count changes the bits: pipelines and nodes alike run on one thread.
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

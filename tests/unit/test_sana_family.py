@@ -9,7 +9,6 @@ harness is :class:`tests.unit.model_families.Sana`.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,19 +22,16 @@ from libs.workflow.local import LocalRunner
 from tests.unit.model_families import PROMPT, Sana, harness, sana_pipeline_image
 
 # diffusers' DPM-Solver builds its sigmas with np.array(tensor, copy=False) (numpy 2 warns).
-pytestmark = pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning")
 
 MAX_SEQ = 24
 BASE = dict(prompt=PROMPT, num_inference_steps=3, max_sequence_length=MAX_SEQ)
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    # The thread count changes the bits: pin it for pipeline and nodes alike.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# The thread count changes the bits: pipelines and nodes alike run on one thread.
+pytestmark = [
+    pytest.mark.usefixtures("one_torch_thread"),
+    pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning"),
+]
 
 
 @pytest.fixture(scope="module")

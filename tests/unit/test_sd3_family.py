@@ -13,8 +13,6 @@ harness is :class:`tests.unit.model_families.Sd3`.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import numpy as np
 import pytest
 import torch
@@ -24,14 +22,8 @@ from libs.models.sd3_workflows import sd3_workflow
 from libs.workflow.local import LocalRunner
 from tests.unit.model_families import CONTROL, Result, Sd3, harness
 
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    # The thread count changes the bits: pin it for pipeline and nodes alike.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# The thread count changes the bits: pipelines and nodes alike run on one thread.
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

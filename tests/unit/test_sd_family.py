@@ -8,8 +8,6 @@ bitwise, warm LoRA switching, mid-forward fetches, signatures, entry points) is
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
@@ -18,14 +16,8 @@ from libs.protocol.ids import ModelKey
 from libs.workflow.local import LocalRunner
 from tests.unit.model_families import SD_LORAS, Sd, harness
 
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    # The thread count changes the bits: pin it for pipeline and nodes alike.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# The thread count changes the bits: pipelines and nodes alike run on one thread.
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
