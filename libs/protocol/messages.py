@@ -149,6 +149,10 @@ class NodeTiming(msgspec.Struct, frozen=True, omit_defaults=True):
     fetch_s: float = 0.0  # pulling inputs through the data plane
     exec_s: float = 0.0  # the ModelFn's execute()
     store_s: float = 0.0  # writing outputs into the arena / uploading sinks
+    # Where a load read its weights from: "" (no load), "host" (every checkpoint was in the box's
+    # host tier) or "disk" (at least one was read from disk).
+    load_tier: Literal["", "host", "disk"] = ""
+    load_bytes: int = 0  # checkpoint bytes the load read from disk
 
     @property
     def total_s(self) -> float:
@@ -204,6 +208,11 @@ class ExecutorHeartbeat(_Msg, tag="heartbeat"):
     fns: list[str]  # ModelFn names this executor can run
     resident: list[str] = []  # encoded ModelKeys (libs.protocol.ids) whose model is loaded
     running: list[str] = []  # encoded NodeRefs (libs.protocol.ids) in progress
+    # Encoded ModelKeys whose every checkpoint is in this box's host tier (a load would not touch
+    # disk), and the tier's counters (hits, misses, bytes_filled, bytes_served, evictions, used_bytes,
+    # budget_bytes, entries).
+    host_resident: list[str] = []
+    host_tier: dict[str, int] = {}
     arena_capacity: int = 0
     arena_free: int = 0
     started_at: float = 0.0

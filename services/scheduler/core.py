@@ -150,8 +150,9 @@ class SchedulerCore:
             log.info("executor %s joined (%s, %d ModelFns)", hb.executor, hb.kind, len(hb.fns))
         ex.last_seen = now
         ex.fns = frozenset(hb.fns)
-        resident, running = self._decode_report(ex, hb)
+        resident, host_resident, running = self._decode_report(ex, hb)
         ex.resident = resident
+        ex.host_resident = host_resident
         ex.arena_capacity = hb.arena_capacity
         ex.arena_free = hb.arena_free
         ex.suspect = False
@@ -167,17 +168,20 @@ class SchedulerCore:
 
     def _decode_report(
         self, ex: ExecutorState, hb: ExecutorHeartbeat
-    ) -> tuple[frozenset[ModelKey], list[NodeRef]]:
-        """The resident models and running nodes a heartbeat reports, without the identifiers that
-        do not parse (logged once per change: a bad report off the bus must not stop the service)."""
+    ) -> tuple[frozenset[ModelKey], frozenset[ModelKey], list[NodeRef]]:
+        """The resident models, host-tier models and running nodes a heartbeat reports, without the
+        identifiers that do not parse (logged once per change: a bad report off the bus must not stop
+        the service)."""
         resident: list[ModelKey] = []
+        host_resident: list[ModelKey] = []
         running: list[NodeRef] = []
         bad: list[str] = []
-        for raw in hb.resident:
-            try:
-                resident.append(ModelKey.decode(raw))
-            except ValueError:
-                bad.append(raw)
+        for raws, out in ((hb.resident, resident), (hb.host_resident, host_resident)):
+            for raw in raws:
+                try:
+                    out.append(ModelKey.decode(raw))
+                except ValueError:
+                    bad.append(raw)
         for raw in hb.running:
             try:
                 running.append(NodeRef.decode(raw))
@@ -188,7 +192,7 @@ class SchedulerCore:
             ex.malformed = malformed
             if malformed:
                 log.warning("executor %s reported malformed identifiers, ignored: %s", ex.id, sorted(bad))
-        return frozenset(resident), running
+        return frozenset(resident), frozenset(host_resident), running
 
     def remove_executor(self, executor_id: str, now: float, reason: str) -> list[Effect]:
         ex = self.executors.pop(executor_id, None)
@@ -268,6 +272,7 @@ class SchedulerCore:
                         inputs=inputs,
                         est_s=self.estimator.estimate(node.fn, node.model, shapes, kind),
                         load_s=self.estimator.load_estimate(node.fn, node.model, kind),
+                        load_host_s=self.estimator.load_estimate(node.fn, node.model, kind, tier="host"),
                         remaining_s=rec.critical_s,
                         job_s=run.job_s,
                     )
@@ -281,6 +286,7 @@ class SchedulerCore:
                 arena_free=e.arena_free,
                 kind=e.kind,
                 arena_capacity=e.arena_capacity,
+                host_resident=e.host_resident,
             )
             for e in idle_execs
         )
@@ -428,7 +434,13 @@ class SchedulerCore:
         run.nodes.complete(node.id, now)  # successors whose last input this was are ready now
         t = msg.timing
         self.estimator.observe(
-            node.fn, node.model, rec.shapes, rec.kind, run_s=t.fetch_s + t.exec_s + t.store_s, load_s=t.load_s
+            node.fn,
+            node.model,
+            rec.shapes,
+            rec.kind,
+            run_s=t.fetch_s + t.exec_s + t.store_s,
+            load_s=t.load_s,
+            load_tier=t.load_tier or "disk",
         )
         correction = self.accounts.correct(run.req.tenant, rec.charge_s, t.total_s)
         run.executors.add(msg.executor)

@@ -11,8 +11,11 @@ the estimate is replaced by the measured time. Estimates come from history, most
 
 Each level keeps an exponentially weighted moving average (``alpha`` = 0.3), so estimates follow
 drift (a warmer cache, a busier host) without being thrown by one outlier. Loading is estimated
-separately, per (ModelFn, model, kind), and charged only when the chosen executor does not have the
-model resident. Pure and synchronous: the scheduler core owns one.
+separately, per (ModelFn, model, kind) and per tier it was read from — ``disk`` or ``host`` (the
+box's host-memory tier) — and charged only when the chosen executor does not have the model
+resident, at the estimate of the tier that executor would load from. Before any host-tier load has
+been seen, a host load is estimated at the disk load (never more). Pure and synchronous: the
+scheduler core owns one.
 """
 
 from __future__ import annotations
@@ -46,13 +49,24 @@ class Estimator:
         old = table.get(key)
         table[key] = value if old is None else old + self.alpha * (value - old)
 
-    def observe(self, fn: str, model: str, shapes: str, kind: str, run_s: float, load_s: float = 0.0) -> None:
-        """Record one completion: ``run_s`` = fetch + execute + store, ``load_s`` when it loaded."""
+    def observe(
+        self,
+        fn: str,
+        model: str,
+        shapes: str,
+        kind: str,
+        run_s: float,
+        load_s: float = 0.0,
+        load_tier: str = "disk",
+    ) -> None:
+        """Record one completion: ``run_s`` = fetch + execute + store; ``load_s`` when it loaded,
+        from ``load_tier`` (``disk`` or ``host``)."""
         for key in ((fn, model, shapes, kind), (fn, model, shapes), (fn, model, kind), (fn, model)):
             self._update(self._exec, key, run_s)
         if load_s > 0:
-            self._update(self._load, (fn, model, kind), load_s)
-            self._update(self._load, (fn, model), load_s)
+            tier = "host" if load_tier == "host" else "disk"
+            self._update(self._load, (fn, model, kind, tier), load_s)
+            self._update(self._load, (fn, model, tier), load_s)
 
     def estimate(self, fn: str, model: str, shapes: str | None = None, kind: str | None = None) -> float:
         keys: list[tuple] = []
@@ -68,7 +82,11 @@ class Estimator:
                 return self._exec[key]
         return self.defaults.get(fn, self.default_s)
 
-    def load_estimate(self, fn: str, model: str, kind: str | None = None) -> float:
-        if kind is not None and (fn, model, kind) in self._load:
-            return self._load[(fn, model, kind)]
-        return self._load.get((fn, model), DEFAULT_LOAD_S)
+    def load_estimate(self, fn: str, model: str, kind: str | None = None, tier: str = "disk") -> float:
+        """Seconds to load ``model`` for ``fn`` from ``tier`` (``disk`` or ``host``)."""
+        for t in (tier, "disk") if tier == "host" else (tier,):
+            if kind is not None and (fn, model, kind, t) in self._load:
+                return self._load[(fn, model, kind, t)]
+            if (fn, model, t) in self._load:
+                return self._load[(fn, model, t)]
+        return DEFAULT_LOAD_S

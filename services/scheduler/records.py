@@ -23,6 +23,7 @@ class ExecutorState:
     fns: frozenset[str]
     last_seen: float
     resident: frozenset[ModelKey] = frozenset()
+    host_resident: frozenset[ModelKey] = frozenset()  # models whose bytes are in its box's host tier
     arena_capacity: int = 0  # 0: the executor reported no arena (placement ignores arena_free)
     arena_free: int = 0
     running: NodeRef | None = None  # node we dispatched to it and have not seen finish

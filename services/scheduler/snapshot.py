@@ -28,9 +28,10 @@ class ReadyNode:
     ready_since: float  # when the node became ready
     inputs: tuple[tuple[str, int], ...] = ()  # (executor holding an input, bytes) per tensor input
     est_s: float = 0.0  # estimated run time (fetch + execute + store), from history
-    load_s: float = 0.0  # estimated load time, charged when the executor lacks the model
+    load_s: float = 0.0  # estimated load time from disk, charged when the executor lacks the model
     remaining_s: float = 0.0  # estimated critical path from this node to the request's end
     job_s: float = 0.0  # estimated total work of the node's request (for SJF)
+    load_host_s: float = 0.0  # estimated load time when the model's bytes are in the box's host tier
     # ``ref.request_id``, kept as a slot: policies read it in every sort key (a hot path).
     request_id: str = field(init=False, repr=False, compare=False)
 
@@ -55,6 +56,7 @@ class ExecutorInfo:
     arena_free: int = 0  # bytes free in its tensor arena, as of its last heartbeat
     kind: str = "cpu"
     arena_capacity: int = 0  # 0: it reported no arena, so arena_free is not a constraint
+    host_resident: frozenset[ModelKey] = frozenset()  # models whose bytes are in its box's host tier
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,8 +95,13 @@ class Decision:
 
 
 def charge_for(node: ReadyNode, ex: ExecutorInfo) -> float:
-    """The estimate charged at dispatch: run time, plus loading unless the model is resident."""
-    return node.est_s + (0.0 if node.model_key in ex.resident else node.load_s)
+    """The estimate charged at dispatch: run time, plus the load the executor would do — none when
+    the model is resident, from host memory when its bytes are in the box's host tier, else from
+    disk. The completion replaces it with the measured time (and the tier the load really used)."""
+    key = node.model_key
+    if key in ex.resident:
+        return node.est_s
+    return node.est_s + (node.load_host_s if key in ex.host_resident else node.load_s)
 
 
 def best_fit(node: ReadyNode, executors: Iterable[ExecutorInfo]) -> ExecutorInfo | None:
@@ -103,9 +110,9 @@ def best_fit(node: ReadyNode, executors: Iterable[ExecutorInfo]) -> ExecutorInfo
     Only executors that can run its ModelFn and have room for it: a consumer allocates the inputs it
     pulls from other executors in its own arena, so an executor that reported an arena
     (``arena_capacity > 0``) whose ``arena_free`` is less than the node's input bytes held elsewhere
-    is no fit. Among those: model already resident first (no load on the critical path), then the
-    most input bytes already local (no transfer), then the least loaded; the id breaks ties so the
-    choice is deterministic.
+    is no fit. Among those: model already resident first (no load on the critical path), then its
+    bytes in the box's host tier (a load without disk), then the most input bytes already local (no
+    transfer), then the least loaded; the id breaks ties so the choice is deterministic.
     """
     local: dict[str, int] = {}
     total = 0
@@ -121,7 +128,7 @@ def best_fit(node: ReadyNode, executors: Iterable[ExecutorInfo]) -> ExecutorInfo
         here = local.get(ex.id, 0)
         if ex.arena_capacity > 0 and total - here > ex.arena_free:
             continue
-        rank = (model not in ex.resident, -here, ex.load, ex.id)
+        rank = (model not in ex.resident, model not in ex.host_resident, -here, ex.load, ex.id)
         if best is None or rank < best:
             best, choice = rank, ex
     return choice
