@@ -59,3 +59,42 @@ class TransportError(DataPlaneError, RetryableError):
         self.address = address
         self.reason = reason
         super().__init__(f"transport to {address!r} failed: {reason}")
+
+
+class CheckpointError(DataPlaneError):
+    """A converted checkpoint (``libs.dataplane.checkpoint``) cannot be used as it is."""
+
+
+class CorruptCheckpoint(CheckpointError):
+    """Partition ``partition`` of the converted checkpoint at ``path`` does not hold what its index
+    says: a chunk's CRC32 differs, or the file is shorter than the index records (``reason`` says
+    which). Never handed out as weights: ``ensure_converted`` converts again from the source."""
+
+    def __init__(self, path: str, partition: str | int, reason: str) -> None:
+        self.path = str(path)
+        self.partition = partition
+        self.reason = reason
+        super().__init__(f"checkpoint {self.path!r}, partition {partition}: {reason}")
+
+
+class CheckpointMismatch(CheckpointError):
+    """A converted checkpoint does not fit the model it is bound to (a tensor the model lacks, a
+    parameter or buffer the checkpoint lacks, or a shape that differs); ``names`` lists them."""
+
+    def __init__(self, path: str, model: str, reason: str, names: list[str] | None = None) -> None:
+        self.path = str(path)
+        self.model = model
+        self.reason = reason
+        self.names = list(names or [])
+        shown = ", ".join(self.names[:8]) + (" ..." if len(self.names) > 8 else "")
+        super().__init__(f"{model} from {self.path!r}: {reason}" + (f": {shown}" if shown else ""))
+
+
+class HostTierError(DataPlaneError):
+    """A host-tier request that cannot be served as asked (e.g. a key reused with another size)."""
+
+    def __init__(self, tier: str, key: str, reason: str) -> None:
+        self.tier = tier
+        self.key = key
+        self.reason = reason
+        super().__init__(f"host tier {tier!r}, key {key!r}: {reason}")

@@ -15,6 +15,15 @@ class ExecutorConfig(msgspec.Struct, forbid_unknown_fields=True):
     host: str = "127.0.0.1"  # address the tcp transport binds and advertises
     heartbeat_s: float = 1.0
     alloc_timeout_s: float = 30.0  # how long a full arena makes an output wait before failing
+    # Loading (docs/loading.md): checkpoints are converted on first use into the loading format and
+    # read with O_DIRECT by ``load_threads`` threads in ``load_chunk_mb`` chunks into the box's host
+    # tier, one copy per box shared by every executor with the same ``host_tier`` name (default:
+    # derived from the namespace), LRU under ``host_tier_mb`` (0: no host tier, private buffers).
+    host_tier_mb: int = 8192
+    host_tier: str = ""
+    host_tier_dir: str = "/dev/shm"
+    load_threads: int = 4
+    load_chunk_mb: int = 16
     # Simulation: "sim" replays profiled times instead of computing (no torch needed).
     mode: str = "real"  # "real" | "sim"
     sim_count: int = 1  # simulated executors (GPUs) in this process
