@@ -1,0 +1,143 @@
+#!/usr/bin/env bash
+# GPU check for a lent GPU machine (NVIDIA H200, no internet, repository copied there, maybe no venv).
+# Installs nothing. Runs, under one total budget (BUDGET_S, default 570 s, enforced with `timeout`):
+#   1. nvidia-smi                                       -> $OUT/nvidia-smi.txt
+#   2. pytest -m "gpu or nvshmem" -q -rs tests/         -> $OUT/gpu-tests.xml (JUnit), $OUT/pytest.log
+#   3. bench/loading.py --device cuda --rounds 2 --size-mb 2048
+#                                                       -> $OUT/loading-cuda.json, $OUT/loading-cuda.log
+# and writes $OUT/summary.json: what ran, each exit code, what was missing. A failing step is
+# recorded, not fatal. Exit: 0 all that ran passed; 1 a step failed; 2 no Python with torch;
+# 3 torch sees no CUDA device (the GPU steps were skipped).
+#   bench/gpu/run.sh                 # OUT defaults to ./out/gpu (git-ignored)
+#   OUT=/some/dir BUDGET_S=500 bench/gpu/run.sh
+set -u
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+cd "$REPO" || exit 2
+OUT="${OUT:-$REPO/out/gpu}"
+mkdir -p "$OUT"
+BUDGET_S="${BUDGET_S:-570}"        # the whole script, under 10 minutes
+PYTEST_MAX_S="${PYTEST_MAX_S:-240}"
+RESERVE_S=10                       # kept back for the summary
+SIZE_MB="${SIZE_MB:-2048}"
+ROUNDS="${ROUNDS:-2}"
+START=$(date +%s)
+export PYTHONUNBUFFERED=1 PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 PIP_NO_INDEX=1
+
+say() { echo "[gpu-check] $*"; }
+left() { echo $((BUDGET_S - ($(date +%s) - START) - RESERVE_S)); }
+
+PY="" PY_NOTE="" CUDA="false" GPU_NAME="" NOTES=()
+SMI_RC=null PYTEST_RC=null BENCH_RC=null PYTEST_S=null BENCH_S=null
+PYTEST_STATUS="not run" BENCH_STATUS="not run"
+
+write_summary() {
+    local notes="" n
+    for n in "${NOTES[@]+"${NOTES[@]}"}"; do notes+="${notes:+, }\"${n//\"/\'}\""; done
+    cat >"$OUT/summary.json" <<JSON
+{
+ "python": "${PY}",
+ "cuda": ${CUDA},
+ "gpu": "${GPU_NAME}",
+ "budget_s": ${BUDGET_S},
+ "elapsed_s": $(($(date +%s) - START)),
+ "nvidia_smi": {"rc": ${SMI_RC}, "output": "nvidia-smi.txt"},
+ "pytest": {"status": "${PYTEST_STATUS}", "rc": ${PYTEST_RC}, "seconds": ${PYTEST_S}, "cmd": "pytest -m 'gpu or nvshmem' -q -rs tests/", "junit": "gpu-tests.xml", "log": "pytest.log"},
+ "bench_loading": {"status": "${BENCH_STATUS}", "rc": ${BENCH_RC}, "seconds": ${BENCH_S}, "cmd": "bench/loading.py --device cuda --rounds ${ROUNDS} --size-mb ${SIZE_MB}", "json": "loading-cuda.json", "log": "loading-cuda.log"},
+ "notes": [${notes}]
+}
+JSON
+    say "summary: $OUT/summary.json"
+    cat "$OUT/summary.json"
+}
+
+# -- 1. nvidia-smi ---------------------------------------------------------------------------------
+if command -v nvidia-smi >/dev/null 2>&1; then
+    timeout 30 nvidia-smi 2>&1 | tee "$OUT/nvidia-smi.txt"
+    SMI_RC=${PIPESTATUS[0]}
+else
+    say "nvidia-smi: not found (no NVIDIA driver on this machine?)"
+    echo "nvidia-smi: not found" >"$OUT/nvidia-smi.txt"
+    NOTES+=("nvidia-smi not found")
+fi
+
+# -- a Python with torch: the venv if its torch sees CUDA, else python3 if its torch does, else the
+# first whose torch imports at all (then the GPU steps are skipped) --------------------------------
+probe() {  # prints "cuda <name>" / "nocuda" / nothing (no torch)
+    timeout 120 "$1" -c 'import torch
+print(("cuda " + torch.cuda.get_device_name(0)) if torch.cuda.is_available() else "nocuda")' 2>/dev/null | tail -n 1
+}
+FALLBACK=""
+for cand in "$REPO/.venv/bin/python" python3; do
+    if [ "$cand" != python3 ] && [ ! -x "$cand" ]; then say "$cand: not present"; continue; fi
+    command -v "$cand" >/dev/null 2>&1 || { say "$cand: not found"; continue; }
+    res="$(probe "$cand")"
+    case "$res" in
+        cuda*) PY="$cand"; CUDA=true; GPU_NAME="${res#cuda }"; break ;;
+        nocuda) say "$cand: torch imports but sees no CUDA device"; [ -z "$FALLBACK" ] && FALLBACK="$cand" ;;
+        *) say "$cand: cannot import torch" ;;
+    esac
+done
+if [ -z "$PY" ] && [ -n "$FALLBACK" ]; then PY="$FALLBACK"; fi
+if [ -z "$PY" ]; then
+    say "ERROR: no Python with torch found (tried $REPO/.venv/bin/python, python3); nothing installed, nothing run"
+    NOTES+=("no Python with torch")
+    PYTEST_STATUS="skipped: no torch" BENCH_STATUS="skipped: no torch"
+    write_summary
+    exit 2
+fi
+say "python: $PY ($("$PY" -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda)' 2>&1))"
+if [ "$CUDA" = true ]; then say "CUDA device: $GPU_NAME"; else
+    say "WARNING: torch sees no CUDA device: the GPU tests will skip and the CUDA benchmark is not run"
+    NOTES+=("torch sees no CUDA device")
+fi
+missing="$("$PY" -c 'import importlib.util as u
+print(" ".join(m for m in ("pytest", "diffusers", "safetensors", "numpy", "pytest_asyncio", "pytest_timeout") if u.find_spec(m) is None))' 2>&1)"
+[ -n "$missing" ] && { say "missing Python modules: $missing"; NOTES+=("missing modules: $missing"); }
+
+# -- 2. GPU tests ----------------------------------------------------------------------------------
+t=$(left); [ "$t" -gt "$PYTEST_MAX_S" ] && t=$PYTEST_MAX_S
+if [[ " $missing " == *" pytest "* ]]; then
+    PYTEST_STATUS="skipped: pytest missing"; say "pytest: not importable, GPU tests not run"
+elif [ "$t" -lt 20 ]; then
+    PYTEST_STATUS="skipped: budget"; say "pytest: no budget left"
+else
+    say "pytest -m 'gpu or nvshmem' (limit ${t}s)"
+    s=$(date +%s)
+    timeout --kill-after=10 "$t" "$PY" -m pytest -m "gpu or nvshmem" -q -rs tests/ \
+        --junitxml="$OUT/gpu-tests.xml" -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log"
+    PYTEST_RC=${PIPESTATUS[0]} PYTEST_S=$(($(date +%s) - s))
+    case $PYTEST_RC in
+        0) PYTEST_STATUS="passed" ;; 5) PYTEST_STATUS="no tests selected" ;;
+        124|137) PYTEST_STATUS="timed out after ${t}s" ;; *) PYTEST_STATUS="failed" ;;
+    esac
+    say "pytest: $PYTEST_STATUS (rc $PYTEST_RC, ${PYTEST_S}s)"
+fi
+
+# -- 3. loading benchmark on the GPU ---------------------------------------------------------------
+t=$(left)
+if [ "$CUDA" != true ]; then
+    BENCH_STATUS="skipped: no CUDA"; say "bench/loading.py --device cuda: skipped (no CUDA device)"
+elif [[ " $missing " == *" diffusers "* || " $missing " == *" safetensors "* ]]; then
+    BENCH_STATUS="skipped: diffusers/safetensors missing"; say "bench/loading.py: skipped ($missing missing)"
+elif [ "$t" -lt 60 ]; then
+    BENCH_STATUS="skipped: budget"; say "bench/loading.py: only ${t}s left, skipped"
+else
+    say "bench/loading.py --device cuda --rounds $ROUNDS --size-mb $SIZE_MB (limit ${t}s)"
+    s=$(date +%s)
+    timeout --kill-after=10 "$t" "$PY" bench/loading.py --device cuda --rounds "$ROUNDS" --size-mb "$SIZE_MB" \
+        --json "$OUT/loading-cuda.json" 2>&1 | tee "$OUT/loading-cuda.log"
+    BENCH_RC=${PIPESTATUS[0]} BENCH_S=$(($(date +%s) - s))
+    case $BENCH_RC in
+        0) BENCH_STATUS="ok" ;; 124|137) BENCH_STATUS="timed out after ${t}s" ;; *) BENCH_STATUS="failed" ;;
+    esac
+    say "bench/loading.py: $BENCH_STATUS (rc $BENCH_RC, ${BENCH_S}s)"
+fi
+
+write_summary
+if [ "$CUDA" != true ]; then exit 3; fi
+for rc in "$PYTEST_RC" "$BENCH_RC"; do
+    case $rc in null|0|5) ;; *) exit 1 ;; esac
+done
+exit 0
