@@ -19,6 +19,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from libs.dataplane.hosttier import HostTier
+
 
 class StackError(RuntimeError):
     pass
@@ -184,3 +186,5 @@ class Stack:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        # The executors' shared host tier belongs to this stack's namespace: nobody else uses it.
+        HostTier.destroy(f"{self.namespace}-host")

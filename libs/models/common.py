@@ -5,10 +5,16 @@ Each family is a set of self-contained modules (diffusers' single-file philosoph
 ``{family}_workflows.py`` (compositions of them) and ``tiny_{family}.py`` (a random-weight builder).
 What is platform plumbing rather than a pipeline's math lives here:
 
-* **Components.** :func:`config_dtype` (the dtype ``from_pretrained`` gives a transformers model)
-  and :func:`vae_scale_factor` (every pipeline's ``__init__`` line). The device is an argument of
-  ``ModelFn.load_model(model_path, device)``; a node whose ``execute`` needs it beyond its models'
-  own ``.device`` keeps it in its components.
+* **Components.** :func:`load_component` loads every model with weights (instead of
+  ``X.from_pretrained``): through a converted checkpoint (:mod:`libs.dataplane.checkpoint`) and the
+  executor's :class:`~libs.dataplane.loader.Loader`, the model built on the meta device from its
+  config as ``from_pretrained`` builds it and its parameters and buffers bound to the loaded tensors
+  (no copies; bitwise the same weights). :func:`with_loads` records on a components dict which
+  checkpoints a ``load_model`` loaded and how (``components["_loads"]``). :func:`config_dtype` (the
+  dtype ``from_pretrained`` gives a transformers model) and :func:`vae_scale_factor` (every pipeline's
+  ``__init__`` line). The device and the loader are arguments of
+  ``ModelFn.load_model(model_path, device, loader)``; a node whose ``execute`` needs the device beyond
+  its models' own ``.device`` keeps it in its components.
 * **Schedules.** :func:`calculate_shift`, diffusers' function of that name (resolution-dependent
   ``mu``), copied as it is; each pipeline calls it with its own defaults.
 * **Decoded images.** :func:`to_uint8_image`: the pipelines' ``postprocess(output_type="pil")`` up to
@@ -32,8 +38,12 @@ this one) to read signatures in a process without them.
 
 from __future__ import annotations
 
+import copy
+import logging
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from libs.workflow.spec import ParamSpec
@@ -41,7 +51,12 @@ from libs.workflow.spec import ParamSpec
 if TYPE_CHECKING:
     import torch
 
+    from libs.dataplane.loader import LoadedCheckpoint
     from libs.workflow.spec import WorkflowSpec
+
+log = logging.getLogger(__name__)
+
+LOADS = "_loads"  # the components key with_loads fills
 
 
 # -- components ----------------------------------------------------------------------------------
@@ -56,6 +71,188 @@ def config_dtype(model_path: str, subfolder: str) -> torch.dtype:
     if isinstance(dtype, str):  # older configs spell it as a string
         dtype = getattr(torch, dtype)
     return dtype if isinstance(dtype, torch.dtype) else torch.float32
+
+
+def load_component(
+    cls: type,
+    model_path: str,
+    subfolder: str | None = None,
+    device: Any = "cpu",
+    loader: Any = None,
+    dtype: Any = None,
+) -> Any:
+    """``cls.from_pretrained(model_path, subfolder=subfolder)`` (with ``torch_dtype=dtype`` if given),
+    on ``device``, in eval mode, through the fast path.
+
+    The component is converted once (:func:`~libs.dataplane.checkpoint.ensure_converted`: again when
+    its source changed or the checkpoint is corrupt) and loaded with ``loader`` (the process's default
+    :class:`~libs.dataplane.loader.Loader` if None); the model is built on the meta device from its
+    config exactly as ``from_pretrained`` configures it (transformers: the same dtype, attention
+    implementation and init contexts), then every parameter and buffer, non-persistent and tied ones
+    included, is bound to the loaded tensor of its name. A parameter or buffer left on the meta
+    device, or a checkpoint tensor the model lacks, raises
+    :class:`~libs.dataplane.errors.CheckpointMismatch`. The model keeps its
+    :class:`~libs.dataplane.loader.LoadedCheckpoint` (:func:`loaded_checkpoint`), closed when the
+    model is garbage collected. Where no checkpoint exists and none can be written (``OSError``),
+    it warns and falls back to ``from_pretrained``."""
+    from libs.dataplane.checkpoint import ensure_converted
+    from libs.dataplane.errors import CorruptCheckpoint
+    from libs.dataplane.loader import default_loader
+
+    loader = loader if loader is not None else default_loader()
+    component_dir = Path(model_path) / subfolder if subfolder else Path(model_path)
+    try:
+        ckpt = ensure_converted(component_dir, cls, dtype, chunk_bytes=loader.chunk_bytes)
+    except OSError as e:
+        # No converted checkpoint and none can be written (a read-only model store, a full disk):
+        # slower, but the same model. ``python -m libs.dataplane.checkpoint convert`` fixes it.
+        log.warning(
+            "cannot convert %s for fast loading (%s); loading it with from_pretrained", component_dir, e
+        )
+        return _from_pretrained(cls, model_path, subfolder, device, dtype)
+    try:
+        loaded = loader.load(ckpt, device)
+    except CorruptCheckpoint as e:
+        # Never hand out wrong weights: check every chunk, convert again if it is really corrupt.
+        log.warning("%s; checking and converting %s again", e, component_dir)
+        ckpt = ensure_converted(component_dir, cls, dtype, verify_crc=True, chunk_bytes=loader.chunk_bytes)
+        loaded = loader.load(ckpt, device)
+    try:
+        model = _build_on_meta(cls, model_path, subfolder, loaded)
+        _bind(model, loaded)
+    except BaseException:
+        loaded.close()
+        raise
+    model.eval()
+    model._t2i_checkpoint = loaded
+    weakref.finalize(model, loaded.close)
+    return model
+
+
+def _from_pretrained(cls: type, model_path: str, subfolder: str | None, device: Any, dtype: Any) -> Any:
+    kwargs: dict[str, Any] = {"subfolder": subfolder} if subfolder else {}
+    if dtype is not None:
+        kwargs["dtype" if cls.__module__.startswith("transformers") else "torch_dtype"] = dtype
+    return cls.from_pretrained(model_path, **kwargs).to(device).eval()
+
+
+def loaded_checkpoint(model: Any) -> LoadedCheckpoint | None:
+    """The :class:`~libs.dataplane.loader.LoadedCheckpoint` a model was bound to by
+    :func:`load_component` (None for a model loaded otherwise)."""
+    return getattr(model, "__dict__", {}).get("_t2i_checkpoint")
+
+
+def with_loads(components: dict[str, Any]) -> dict[str, Any]:
+    """``components`` with ``components["_loads"]``: the load of every model among its values (or in
+    lists/tuples of them) that :func:`load_component` loaded, so the executor can report where the
+    weights came from (``source``: disk or host tier), how many bytes came from disk, and how long
+    it took. Returns the same dict."""
+    loads: list[LoadedCheckpoint] = []
+    for value in components.values():
+        for item in value if isinstance(value, (list, tuple)) else (value,):
+            loaded = loaded_checkpoint(item)
+            if loaded is not None and all(loaded is not seen for seen in loads):
+                loads.append(loaded)
+    components[LOADS] = loads
+    return components
+
+
+def _build_on_meta(cls: type, model_path: str, subfolder: str | None, loaded: LoadedCheckpoint) -> Any:
+    """``cls`` built from its config on the meta device, configured as ``from_pretrained`` does."""
+    import torch
+
+    info = loaded.index.model
+    if info.library == "transformers":
+        from transformers.modeling_utils import patch_output_recorders
+        from transformers.utils.generic import ContextManagers
+
+        # PreTrainedModel.from_pretrained: the config (dtype "auto": the resolved dtype, recorded by
+        # the conversion), name_or_path, then the model under get_init_context (meta device, dtype).
+        config = cls.config_class.from_pretrained(model_path, subfolder=subfolder or "")
+        dtype = getattr(torch, info.dtype)
+        config.dtype = dtype
+        for key in config.sub_configs:
+            if (sub := getattr(config, key, None)) is not None:
+                sub.dtype = dtype
+        config.name_or_path = model_path
+        with ContextManagers(cls.get_init_context(dtype, False, False, False)):
+            model = cls(config)
+            patch_output_recorders(model)
+        attn = getattr(model.config, "_attn_implementation", None)
+        if info.attn_implementation is not None and attn != info.attn_implementation:
+            log.warning(
+                "%s from %s: attention implementation %r, converted with %r",
+                cls.__name__, model_path, attn, info.attn_implementation,
+            )  # fmt: skip
+        return model
+    from diffusers.models.modeling_utils import no_init_weights
+
+    # ModelMixin.from_pretrained: load_config, from_config under no_init_weights and empty weights
+    # (here: the meta device, buffers too, as every buffer is bound from the checkpoint), then
+    # register _name_or_path.
+    config, unused = cls.load_config(model_path, subfolder=subfolder, return_unused_kwargs=True)
+    config = copy.deepcopy(config)
+    requested = loaded.index.source.dtype
+    dtype_orig = cls._set_default_torch_dtype(getattr(torch, requested)) if requested != "native" else None
+    try:
+        with no_init_weights(), torch.device("meta"):
+            model = cls.from_config(config, **unused)
+    finally:
+        if dtype_orig is not None:
+            torch.set_default_dtype(dtype_orig)
+    model.register_to_config(_name_or_path=model_path)
+    return model
+
+
+def _bind(model: Any, loaded: LoadedCheckpoint) -> None:
+    """Point every parameter and buffer of ``model`` at the loaded tensor of its name (tied names at
+    the same tensor object); raise CheckpointMismatch for anything left on the meta device."""
+    import torch
+
+    from libs.dataplane.errors import CheckpointMismatch
+
+    what = type(model).__name__
+    bound: dict[str, torch.Tensor] = {}
+    unknown, wrong = [], []
+    for e in loaded.index.tensors:
+        path, _, attr = e.name.rpartition(".")
+        try:
+            mod = model.get_submodule(path)
+        except AttributeError:
+            unknown.append(e.name)
+            continue
+        table = mod._parameters if e.kind == "parameter" else mod._buffers
+        if attr not in table:
+            unknown.append(e.name)
+            continue
+        old = table[attr]
+        if e.alias_of is not None:
+            value = bound[e.alias_of]
+        else:
+            value = loaded.tensors[e.name]
+            if e.kind == "parameter":
+                value = torch.nn.Parameter(value, requires_grad=e.requires_grad)
+        if old is not None and tuple(old.shape) != tuple(value.shape):
+            wrong.append(f"{e.name} {list(old.shape)} != {list(value.shape)}")
+            continue
+        table[attr] = value
+        bound[e.name] = value
+    if unknown:
+        raise CheckpointMismatch(str(loaded.path), what, "tensors the model does not have", unknown)
+    if wrong:
+        raise CheckpointMismatch(str(loaded.path), what, "shapes differ", wrong)
+    left = [n for n, t in model.named_parameters(remove_duplicate=False) if t.is_meta]
+    left += [n for n, t in model.named_buffers(remove_duplicate=False) if t.is_meta]
+    left += [
+        f"{path}.{attr}" if path else attr
+        for path, mod in model.named_modules()
+        for attr, v in vars(mod).items()
+        if isinstance(v, torch.Tensor) and v.is_meta
+    ]
+    if left:
+        raise CheckpointMismatch(
+            str(loaded.path), what, "left on the meta device (not in the checkpoint)", left
+        )
 
 
 def vae_scale_factor(vae_config: Any, key: str = "block_out_channels") -> int:

@@ -74,7 +74,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from libs.models.common import calculate_shift, config_dtype, lazy_list, to_uint8_image, vae_scale_factor
+from libs.models.common import (
+    calculate_shift,
+    config_dtype,
+    lazy_list,
+    load_component,
+    to_uint8_image,
+    vae_scale_factor,
+    with_loads,
+)
 from libs.models.lora import LoraSwitch
 from libs.workflow.modelfn import ModelFn
 
@@ -154,12 +162,12 @@ class FluxClipEncoder(ModelFn):
         self.add_input("prompt")
         self.add_output("pooled_prompt_embeds")
 
-    def load_model(self, model_path: str, device: str) -> dict[str, Any]:
+    def load_model(self, model_path: str, device: str, loader: Any = None) -> dict[str, Any]:
         from transformers import CLIPTextModel, CLIPTokenizer
 
         tokenizer = CLIPTokenizer.from_pretrained(model_path, subfolder="tokenizer")
-        text_encoder = CLIPTextModel.from_pretrained(model_path, subfolder="text_encoder")
-        return {"tokenizer": tokenizer, "text_encoder": text_encoder.to(device).eval()}
+        text_encoder = load_component(CLIPTextModel, model_path, "text_encoder", device, loader)
+        return with_loads({"tokenizer": tokenizer, "text_encoder": text_encoder})
 
     def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
         import torch
@@ -195,17 +203,19 @@ class FluxT5Encoder(ModelFn):
         self.add_output("prompt_embeds")
         self.add_output("text_ids")
 
-    def load_model(self, model_path: str, device: str) -> dict[str, Any]:
+    def load_model(self, model_path: str, device: str, loader: Any = None) -> dict[str, Any]:
         from transformers import T5EncoderModel, T5TokenizerFast
 
         tokenizer_2 = T5TokenizerFast.from_pretrained(model_path, subfolder="tokenizer_2")
-        text_encoder_2 = T5EncoderModel.from_pretrained(model_path, subfolder="text_encoder_2")
-        return {
-            "tokenizer_2": tokenizer_2,
-            "text_encoder_2": text_encoder_2.to(device).eval(),
-            # encode_prompt builds text_ids in the CLIP encoder's dtype, not T5's.
-            "text_ids_dtype": config_dtype(model_path, "text_encoder"),
-        }
+        text_encoder_2 = load_component(T5EncoderModel, model_path, "text_encoder_2", device, loader)
+        return with_loads(
+            {
+                "tokenizer_2": tokenizer_2,
+                "text_encoder_2": text_encoder_2,
+                # encode_prompt builds text_ids in the CLIP encoder's dtype, not T5's.
+                "text_ids_dtype": config_dtype(model_path, "text_encoder"),
+            }
+        )
 
     def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
         import torch
@@ -255,7 +265,7 @@ class FluxPrepareLatents(ModelFn):
         self.add_output("latent_image_ids")
         self.add_output("timesteps")
 
-    def load_model(self, model_path: str, device: str) -> dict[str, Any]:
+    def load_model(self, model_path: str, device: str, loader: Any = None) -> dict[str, Any]:
         from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
 
         transformer_config = FluxTransformer2DModel.load_config(model_path, subfolder="transformer")
@@ -362,12 +372,11 @@ class FluxTransformer(ModelFn):
         self.add_input("lora_scale", optional=True)
         self.add_output("noise_pred")
 
-    def load_model(self, model_path: str, device: str) -> dict[str, Any]:
+    def load_model(self, model_path: str, device: str, loader: Any = None) -> dict[str, Any]:
         from diffusers import FluxTransformer2DModel
 
-        transformer = FluxTransformer2DModel.from_pretrained(model_path, subfolder="transformer")
-        transformer = transformer.to(device).eval()
-        return {"transformer": transformer, "lora": LoraSwitch(transformer, _load_flux_lora)}
+        transformer = load_component(FluxTransformer2DModel, model_path, "transformer", device, loader)
+        return with_loads({"transformer": transformer, "lora": LoraSwitch(transformer, _load_flux_lora)})
 
     def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
         import torch
@@ -462,7 +471,7 @@ class FlowMatchEulerStep(ModelFn):
         self.add_input("num_inference_steps")
         self.add_output("latents")
 
-    def load_model(self, model_path: str, device: str) -> dict[str, Any]:
+    def load_model(self, model_path: str, device: str, loader: Any = None) -> dict[str, Any]:
         from diffusers import FlowMatchEulerDiscreteScheduler
 
         return {
@@ -503,18 +512,20 @@ class FluxVaeDecode(ModelFn):
         self.add_input("width")
         self.add_output("image")
 
-    def load_model(self, model_path: str, device: str) -> dict[str, Any]:
+    def load_model(self, model_path: str, device: str, loader: Any = None) -> dict[str, Any]:
         from diffusers import AutoencoderKL
         from diffusers.image_processor import VaeImageProcessor
 
-        vae = AutoencoderKL.from_pretrained(model_path, subfolder="vae").to(device).eval()
+        vae = load_component(AutoencoderKL, model_path, "vae", device, loader)
         factor = vae_scale_factor(vae.config)
-        return {
-            "vae": vae,
-            "vae_scale_factor": factor,
-            # FluxPipeline.__init__: packing doubles the effective scale factor
-            "image_processor": VaeImageProcessor(vae_scale_factor=factor * 2),
-        }
+        return with_loads(
+            {
+                "vae": vae,
+                "vae_scale_factor": factor,
+                # FluxPipeline.__init__: packing doubles the effective scale factor
+                "image_processor": VaeImageProcessor(vae_scale_factor=factor * 2),
+            }
+        )
 
     def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
         import torch

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from libs.models.common import vae_scale_factor
+from libs.models.common import load_component, vae_scale_factor, with_loads
 from libs.models.flux import _pack_latents
 from libs.workflow.modelfn import ModelFn
 
@@ -58,19 +58,21 @@ class FluxControlImageEncoder(ModelFn):
         self.add_output("controlnet_cond")
         self.add_output("generator_state")
 
-    def load_model(self, model_path: str, device: str) -> dict[str, Any]:
+    def load_model(self, model_path: str, device: str, loader: Any = None) -> dict[str, Any]:
         from diffusers import AutoencoderKL, FluxTransformer2DModel
         from diffusers.image_processor import VaeImageProcessor
 
-        vae = AutoencoderKL.from_pretrained(model_path, subfolder="vae").to(device).eval()
+        vae = load_component(AutoencoderKL, model_path, "vae", device, loader)
         transformer_config = FluxTransformer2DModel.load_config(model_path, subfolder="transformer")
-        return {
-            "vae": vae,
-            # FluxControlNetPipeline.__init__: the image processor works in multiples of 2x the
-            # VAE's scale factor (packing).
-            "image_processor": VaeImageProcessor(vae_scale_factor=vae_scale_factor(vae.config) * 2),
-            "num_channels_latents": int(transformer_config["in_channels"]) // 4,
-        }
+        return with_loads(
+            {
+                "vae": vae,
+                # FluxControlNetPipeline.__init__: the image processor works in multiples of 2x the
+                # VAE's scale factor (packing).
+                "image_processor": VaeImageProcessor(vae_scale_factor=vae_scale_factor(vae.config) * 2),
+                "num_channels_latents": int(transformer_config["in_channels"]) // 4,
+            }
+        )
 
     def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
         import torch
@@ -128,17 +130,17 @@ class FluxControlNet(ModelFn):
         self.add_output("controlnet_block_samples")
         self.add_output("controlnet_single_block_samples")
 
-    def load_model(self, model_path: str, device: str) -> dict[str, Any]:
+    def load_model(self, model_path: str, device: str, loader: Any = None) -> dict[str, Any]:
         from diffusers import FluxControlNetModel
 
-        controlnet = FluxControlNetModel.from_pretrained(model_path)
+        controlnet = load_component(FluxControlNetModel, model_path, None, device, loader)
         if controlnet.input_hint_block is not None:
             # The pipeline feeds such (XLabs) ControlNets the preprocessed image, not VAE latents,
             # and the transformer repeats their blocks (controlnet_blocks_repeat=True).
             raise NotImplementedError(f"{model_path}: ControlNets with an input_hint_block are not supported")
         if controlnet.union:
             raise NotImplementedError(f"{model_path}: ControlNet-Union (control modes) is not supported")
-        return {"controlnet": controlnet.to(device).eval()}
+        return with_loads({"controlnet": controlnet})
 
     def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
         import torch

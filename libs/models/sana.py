@@ -82,7 +82,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from libs.models.common import lazy_list, to_uint8_image, vae_scale_factor
+from libs.models.common import lazy_list, load_component, to_uint8_image, vae_scale_factor, with_loads
 from libs.workflow.modelfn import ModelFn
 
 if TYPE_CHECKING:
@@ -102,6 +102,11 @@ def _component_class(model_path: str, name: str) -> Any:
 
 def _load(model_path: str, name: str) -> Any:
     return _component_class(model_path, name).from_pretrained(model_path, subfolder=name)
+
+
+def _load_model(model_path: str, name: str, device: Any, loader: Any) -> Any:
+    """A component with weights, through :func:`~libs.models.common.load_component`."""
+    return load_component(_component_class(model_path, name), model_path, name, device, loader)
 
 
 def _load_config(model_path: str, name: str) -> dict[str, Any]:
@@ -208,17 +213,19 @@ class SanaTextEncoder(ModelFn):
         self.add_output("prompt_embeds")
         self.add_output("prompt_attention_mask")
 
-    def load_model(self, model_path: str, device: str) -> dict[str, Any]:
+    def load_model(self, model_path: str, device: str, loader: Any = None) -> dict[str, Any]:
         import inspect
 
         from diffusers import SanaPipeline
 
         default = inspect.signature(SanaPipeline.__call__).parameters["complex_human_instruction"].default
-        return {
-            "tokenizer": _load(model_path, "tokenizer"),
-            "text_encoder": _load(model_path, "text_encoder").to(device).eval(),
-            "complex_human_instruction": list(default),
-        }
+        return with_loads(
+            {
+                "tokenizer": _load(model_path, "tokenizer"),
+                "text_encoder": _load_model(model_path, "text_encoder", device, loader),
+                "complex_human_instruction": list(default),
+            }
+        )
 
     @staticmethod
     def _gemma_prompt_embeds(
@@ -299,7 +306,7 @@ class SanaPrepareLatents(ModelFn):
         self.add_output("timesteps")
         self.add_output("solver_history")
 
-    def load_model(self, model_path: str, device: str) -> dict[str, Any]:
+    def load_model(self, model_path: str, device: str, loader: Any = None) -> dict[str, Any]:
         transformer_config = _load_config(model_path, "transformer")
         return {
             "latent_channels": int(transformer_config["in_channels"]),
@@ -359,15 +366,17 @@ class SanaTransformer(ModelFn):
         self.add_input("lora_scale", optional=True)
         self.add_output("noise_pred")
 
-    def load_model(self, model_path: str, device: str) -> dict[str, Any]:
+    def load_model(self, model_path: str, device: str, loader: Any = None) -> dict[str, Any]:
         from libs.models.lora import LoraSwitch
 
-        transformer = _load(model_path, "transformer").to(device).eval()
+        transformer = _load_model(model_path, "transformer", device, loader)
         # match_requires_grad: the flags change Sana's bits (see the module docstring, "LoRA")
-        return {
-            "transformer": transformer,
-            "lora": LoraSwitch(transformer, _lora_loader, match_requires_grad=True),
-        }
+        return with_loads(
+            {
+                "transformer": transformer,
+                "lora": LoraSwitch(transformer, _lora_loader, match_requires_grad=True),
+            }
+        )
 
     def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
         import torch
@@ -433,7 +442,7 @@ class SanaSchedulerStep(ModelFn):
         self.add_output("latents")
         self.add_output("solver_history")
 
-    def load_model(self, model_path: str, device: str) -> dict[str, Any]:
+    def load_model(self, model_path: str, device: str, loader: Any = None) -> dict[str, Any]:
         config = _load_config(model_path, "scheduler")
         _scheduler(config)  # refuse an unsupported scheduler at load time
         return {"scheduler_config": config}
@@ -491,14 +500,16 @@ class SanaVaeDecode(ModelFn):
         self.add_input("use_resolution_binning")
         self.add_output("image")
 
-    def load_model(self, model_path: str, device: str) -> dict[str, Any]:
+    def load_model(self, model_path: str, device: str, loader: Any = None) -> dict[str, Any]:
         from diffusers.image_processor import PixArtImageProcessor
 
-        vae = _load(model_path, "vae").to(device).eval()
-        return {
-            "vae": vae,
-            "image_processor": PixArtImageProcessor(vae_scale_factor=_vae_scale_factor(vae.config)),
-        }
+        vae = _load_model(model_path, "vae", device, loader)
+        return with_loads(
+            {
+                "vae": vae,
+                "image_processor": PixArtImageProcessor(vae_scale_factor=_vae_scale_factor(vae.config)),
+            }
+        )
 
     def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
         import torch

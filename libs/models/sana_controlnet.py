@@ -31,7 +31,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from libs.models.sana import _do_cfg, _generation_size, _load, _load_config, _vae_scale_factor
+from libs.models.common import load_component, with_loads
+from libs.models.sana import _do_cfg, _generation_size, _load_config, _load_model, _vae_scale_factor
 from libs.workflow.modelfn import ModelFn
 
 
@@ -49,15 +50,17 @@ class SanaControlEncode(ModelFn):
         self.add_input("guidance_scale")
         self.add_output("control_latents")
 
-    def load_model(self, model_path: str, device: str) -> dict[str, Any]:
+    def load_model(self, model_path: str, device: str, loader: Any = None) -> dict[str, Any]:
         from diffusers.image_processor import PixArtImageProcessor
 
-        vae = _load(model_path, "vae").to(device).eval()
-        return {
-            "vae": vae,
-            "image_processor": PixArtImageProcessor(vae_scale_factor=_vae_scale_factor(vae.config)),
-            "sample_size": int(_load_config(model_path, "transformer")["sample_size"]),
-        }
+        vae = _load_model(model_path, "vae", device, loader)
+        return with_loads(
+            {
+                "vae": vae,
+                "image_processor": PixArtImageProcessor(vae_scale_factor=_vae_scale_factor(vae.config)),
+                "sample_size": int(_load_config(model_path, "transformer")["sample_size"]),
+            }
+        )
 
     def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
         import torch
@@ -103,14 +106,14 @@ class SanaControlNet(ModelFn):
         self.add_input("control_scale")
         self.add_output("controlnet_block_samples")
 
-    def load_model(self, model_path: str, device: str) -> dict[str, Any]:
+    def load_model(self, model_path: str, device: str, loader: Any = None) -> dict[str, Any]:
         if (Path(model_path) / "model_index.json").is_file():  # a SanaControlNetPipeline folder
-            controlnet = _load(model_path, "controlnet")
+            controlnet = _load_model(model_path, "controlnet", device, loader)
         else:  # a ControlNet of its own (how released Sana ControlNets ship)
             from diffusers import SanaControlNetModel
 
-            controlnet = SanaControlNetModel.from_pretrained(model_path)
-        return {"controlnet": controlnet.to(device).eval()}
+            controlnet = load_component(SanaControlNetModel, model_path, None, device, loader)
+        return with_loads({"controlnet": controlnet})
 
     def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
         import torch

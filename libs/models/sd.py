@@ -57,7 +57,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from libs.models.common import config_dtype, lazy_addend, lazy_list, to_uint8_image, vae_scale_factor
+from libs.models.common import (
+    config_dtype,
+    lazy_addend,
+    lazy_list,
+    load_component,
+    to_uint8_image,
+    vae_scale_factor,
+    with_loads,
+)
 from libs.models.lora import LoraSwitch
 from libs.workflow.modelfn import ModelFn
 
@@ -147,17 +155,19 @@ class SdTextEncoder(ModelFn):
         self.add_input("guidance_scale")
         self.add_output("prompt_embeds")
 
-    def load_model(self, model_path: str, device: str) -> dict[str, Any]:
+    def load_model(self, model_path: str, device: str, loader: Any = None) -> dict[str, Any]:
         from diffusers import UNet2DConditionModel
         from transformers import CLIPTextModel, CLIPTokenizer
 
         tokenizer = CLIPTokenizer.from_pretrained(model_path, subfolder="tokenizer")
-        text_encoder = CLIPTextModel.from_pretrained(model_path, subfolder="text_encoder")
-        return {
-            "tokenizer": tokenizer,
-            "text_encoder": text_encoder.to(device).eval(),
-            "unet_config": UNet2DConditionModel.load_config(model_path, subfolder="unet"),
-        }
+        text_encoder = load_component(CLIPTextModel, model_path, "text_encoder", device, loader)
+        return with_loads(
+            {
+                "tokenizer": tokenizer,
+                "text_encoder": text_encoder,
+                "unet_config": UNet2DConditionModel.load_config(model_path, subfolder="unet"),
+            }
+        )
 
     def _encode(self, components: dict[str, Any], text: str, max_length: int) -> torch.Tensor:
         tokenizer, text_encoder = components["tokenizer"], components["text_encoder"]
@@ -205,7 +215,7 @@ class SdPrepareLatents(ModelFn):
         self.add_output("latents")
         self.add_output("timesteps")
 
-    def load_model(self, model_path: str, device: str) -> dict[str, Any]:
+    def load_model(self, model_path: str, device: str, loader: Any = None) -> dict[str, Any]:
         from diffusers import AutoencoderKL, UNet2DConditionModel
 
         unet_config = UNet2DConditionModel.load_config(model_path, subfolder="unet")
@@ -262,17 +272,19 @@ class SdUnet(ModelFn):
         self.add_input("lora_scale", optional=True)
         self.add_output("noise_pred")
 
-    def load_model(self, model_path: str, device: str) -> dict[str, Any]:
+    def load_model(self, model_path: str, device: str, loader: Any = None) -> dict[str, Any]:
         from diffusers import DDIMScheduler, UNet2DConditionModel
 
-        unet = UNet2DConditionModel.from_pretrained(model_path, subfolder="unet").to(device).eval()
+        unet = load_component(UNet2DConditionModel, model_path, "unet", device, loader)
         if unet.config.time_cond_proj_dim is not None:
             raise NotImplementedError(f"{model_path}: UNets with time_cond_proj_dim (LCM) are not mirrored")
-        return {
-            "unet": unet,
-            "lora": LoraSwitch(unet, _load_unet_lora),
-            "scheduler": DDIMScheduler.from_config(_scheduler_config(model_path)),
-        }
+        return with_loads(
+            {
+                "unet": unet,
+                "lora": LoraSwitch(unet, _load_unet_lora),
+                "scheduler": DDIMScheduler.from_config(_scheduler_config(model_path)),
+            }
+        )
 
     def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
         import torch
@@ -333,7 +345,7 @@ class SdDdimStep(ModelFn):
         self.add_input("num_inference_steps")
         self.add_output("latents")
 
-    def load_model(self, model_path: str, device: str) -> dict[str, Any]:
+    def load_model(self, model_path: str, device: str, loader: Any = None) -> dict[str, Any]:
         return {"scheduler_config": _scheduler_config(model_path)}
 
     def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
@@ -363,13 +375,13 @@ class SdVaeDecode(ModelFn):
         self.add_input("latents")
         self.add_output("image")
 
-    def load_model(self, model_path: str, device: str) -> dict[str, Any]:
+    def load_model(self, model_path: str, device: str, loader: Any = None) -> dict[str, Any]:
         from diffusers import AutoencoderKL
         from diffusers.image_processor import VaeImageProcessor
 
-        vae = AutoencoderKL.from_pretrained(model_path, subfolder="vae").to(device).eval()
+        vae = load_component(AutoencoderKL, model_path, "vae", device, loader)
         factor = vae_scale_factor(vae.config)
-        return {"vae": vae, "image_processor": VaeImageProcessor(vae_scale_factor=factor)}
+        return with_loads({"vae": vae, "image_processor": VaeImageProcessor(vae_scale_factor=factor)})
 
     def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
         import torch

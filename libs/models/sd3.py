@@ -64,7 +64,15 @@ import json
 from pathlib import Path
 from typing import Any
 
-from libs.models.common import calculate_shift, config_dtype, lazy_list, to_uint8_image, vae_scale_factor
+from libs.models.common import (
+    calculate_shift,
+    config_dtype,
+    lazy_list,
+    load_component,
+    to_uint8_image,
+    vae_scale_factor,
+    with_loads,
+)
 from libs.workflow.modelfn import ModelFn
 
 # -- helpers ---------------------------------------------------------------------------------------
@@ -156,20 +164,22 @@ class SD3ClipEncoder(ModelFn):
         self.add_output("clip_prompt_embeds")
         self.add_output("pooled_prompt_embeds")
 
-    def load_model(self, model_path: str, device: str) -> dict[str, Any]:
+    def load_model(self, model_path: str, device: str, loader: Any = None) -> dict[str, Any]:
         from transformers import CLIPTextModelWithProjection, CLIPTokenizer
 
         encoders: list[Any] = [
-            CLIPTextModelWithProjection.from_pretrained(model_path, subfolder=sub)
+            load_component(CLIPTextModelWithProjection, model_path, sub, device, loader)
             for sub in ("text_encoder", "text_encoder_2")
         ]
-        return {
-            "tokenizers": [
-                CLIPTokenizer.from_pretrained(model_path, subfolder="tokenizer"),
-                CLIPTokenizer.from_pretrained(model_path, subfolder="tokenizer_2"),
-            ],
-            "text_encoders": [encoder.to(device).eval() for encoder in encoders],
-        }
+        return with_loads(
+            {
+                "tokenizers": [
+                    CLIPTokenizer.from_pretrained(model_path, subfolder="tokenizer"),
+                    CLIPTokenizer.from_pretrained(model_path, subfolder="tokenizer_2"),
+                ],
+                "text_encoders": encoders,
+            }
+        )
 
     @staticmethod
     def _clip_embeds(components: dict[str, Any], prompt: str, index: int) -> tuple[Any, Any]:
@@ -224,7 +234,7 @@ class SD3T5Encoder(ModelFn):
         self.add_input("max_sequence_length")
         self.add_output("t5_prompt_embeds")
 
-    def load_model(self, model_path: str, device: str) -> dict[str, Any]:
+    def load_model(self, model_path: str, device: str, loader: Any = None) -> dict[str, Any]:
         import torch
         from diffusers import SD3Transformer2DModel
         from transformers import T5EncoderModel, T5TokenizerFast  # type: ignore[attr-defined]
@@ -237,11 +247,13 @@ class SD3T5Encoder(ModelFn):
                 "dtype": config_dtype(model_path, "text_encoder"),  # dtype or self.text_encoder.dtype
                 "device": torch.device(device),  # where the zeros go (the pipeline's execution device)
             }
-        text_encoder_3: Any = T5EncoderModel.from_pretrained(model_path, subfolder="text_encoder_3")
-        return {
-            "tokenizer_3": T5TokenizerFast.from_pretrained(model_path, subfolder="tokenizer_3"),
-            "text_encoder_3": text_encoder_3.to(device).eval(),
-        }
+        text_encoder_3: Any = load_component(T5EncoderModel, model_path, "text_encoder_3", device, loader)
+        return with_loads(
+            {
+                "tokenizer_3": T5TokenizerFast.from_pretrained(model_path, subfolder="tokenizer_3"),
+                "text_encoder_3": text_encoder_3,
+            }
+        )
 
     @staticmethod
     def _t5_embeds(components: dict[str, Any], prompt: str, max_sequence_length: int) -> Any:
@@ -321,7 +333,7 @@ class SD3PrepareLatents(ModelFn):
         self.add_output("latents")
         self.add_output("timesteps")
 
-    def load_model(self, model_path: str, device: str) -> dict[str, Any]:
+    def load_model(self, model_path: str, device: str, loader: Any = None) -> dict[str, Any]:
         import torch
         from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
 
@@ -386,14 +398,13 @@ class SD3Transformer(ModelFn):
         self.add_input("lora_scale", optional=True)
         self.add_output("noise_pred")
 
-    def load_model(self, model_path: str, device: str) -> dict[str, Any]:
+    def load_model(self, model_path: str, device: str, loader: Any = None) -> dict[str, Any]:
         from diffusers import SD3Transformer2DModel
 
         from libs.models.lora import LoraSwitch
 
-        transformer = SD3Transformer2DModel.from_pretrained(model_path, subfolder="transformer")
-        transformer = transformer.to(device).eval()
-        return {"transformer": transformer, "loras": LoraSwitch(transformer, _load_sd3_lora)}
+        transformer = load_component(SD3Transformer2DModel, model_path, "transformer", device, loader)
+        return with_loads({"transformer": transformer, "loras": LoraSwitch(transformer, _load_sd3_lora)})
 
     def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
         import torch
@@ -441,7 +452,7 @@ class SD3FlowMatchStep(ModelFn):
         self.add_input("num_inference_steps")
         self.add_output("latents")
 
-    def load_model(self, model_path: str, device: str) -> dict[str, Any]:
+    def load_model(self, model_path: str, device: str, loader: Any = None) -> dict[str, Any]:
         from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
 
         transformer_config = SD3Transformer2DModel.load_config(model_path, subfolder="transformer")
@@ -486,15 +497,14 @@ class SD3VaeDecode(ModelFn):
         self.add_input("latents")
         self.add_output("image")
 
-    def load_model(self, model_path: str, device: str) -> dict[str, Any]:
+    def load_model(self, model_path: str, device: str, loader: Any = None) -> dict[str, Any]:
         from diffusers import AutoencoderKL
         from diffusers.image_processor import VaeImageProcessor
 
-        vae = AutoencoderKL.from_pretrained(model_path, subfolder="vae").to(device).eval()
-        return {
-            "vae": vae,
-            "image_processor": VaeImageProcessor(vae_scale_factor=vae_scale_factor(vae.config)),
-        }
+        vae = load_component(AutoencoderKL, model_path, "vae", device, loader)
+        return with_loads(
+            {"vae": vae, "image_processor": VaeImageProcessor(vae_scale_factor=vae_scale_factor(vae.config))}
+        )
 
     def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
         import torch

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from libs.models.common import vae_scale_factor
+from libs.models.common import load_component, vae_scale_factor, with_loads
 from libs.models.sd3 import _do_cfg
 from libs.workflow.modelfn import ModelFn
 
@@ -69,15 +69,14 @@ class SD3ControlImage(ModelFn):
         self.add_input("force_zeros_for_pooled_projection")
         self.add_output("control_latents")
 
-    def load_model(self, model_path: str, device: str) -> dict[str, Any]:
+    def load_model(self, model_path: str, device: str, loader: Any = None) -> dict[str, Any]:
         from diffusers import AutoencoderKL
         from diffusers.image_processor import VaeImageProcessor
 
-        vae = AutoencoderKL.from_pretrained(model_path, subfolder="vae").to(device).eval()
-        return {
-            "vae": vae,
-            "image_processor": VaeImageProcessor(vae_scale_factor=vae_scale_factor(vae.config)),
-        }
+        vae = load_component(AutoencoderKL, model_path, "vae", device, loader)
+        return with_loads(
+            {"vae": vae, "image_processor": VaeImageProcessor(vae_scale_factor=vae_scale_factor(vae.config))}
+        )
 
     def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
         import torch
@@ -123,14 +122,14 @@ class SD3ControlNet(ModelFn):
         self.add_input("force_zeros_for_pooled_projection", optional=True)
         self.add_output("control_block_samples")
 
-    def load_model(self, model_path: str, device: str) -> dict[str, Any]:
+    def load_model(self, model_path: str, device: str, loader: Any = None) -> dict[str, Any]:
         from diffusers import SD3ControlNetModel
 
-        controlnet = SD3ControlNetModel.from_pretrained(model_path)
+        controlnet = load_component(SD3ControlNetModel, model_path, None, device, loader)
         if not controlnet.config.use_pos_embed:
             # The pipeline's __init__ then borrows the base transformer's pos_embed (SD3.5 8b ControlNets).
             raise NotImplementedError(f"{model_path}: ControlNets without their own pos_embed are not served")
-        return {"controlnet": controlnet.to(device).eval()}
+        return with_loads({"controlnet": controlnet})
 
     def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
         import torch

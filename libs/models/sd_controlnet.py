@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from libs.models.common import vae_scale_factor
+from libs.models.common import load_component, vae_scale_factor, with_loads
 from libs.models.sd import _check_cfg_batch
 from libs.workflow.modelfn import ModelFn
 
@@ -56,7 +56,7 @@ class SdControlImage(ModelFn):
         self.add_input("width")
         self.add_output("control_cond")
 
-    def load_model(self, model_path: str, device: str) -> dict[str, Any]:
+    def load_model(self, model_path: str, device: str, loader: Any = None) -> dict[str, Any]:
         from diffusers import AutoencoderKL
         from diffusers.image_processor import VaeImageProcessor
 
@@ -92,12 +92,12 @@ class SdControlNet(ModelFn):
         self.add_output("down_block_res_samples")
         self.add_output("mid_block_res_sample")
 
-    def load_model(self, model_path: str, device: str) -> dict[str, Any]:
+    def load_model(self, model_path: str, device: str, loader: Any = None) -> dict[str, Any]:
         from diffusers import ControlNetModel, DDIMScheduler
 
-        controlnet = ControlNetModel.from_pretrained(model_path)
+        controlnet = load_component(ControlNetModel, model_path, None, device, loader)
         # DDIM's scale_model_input is the identity whatever its config or state (see libs.models.sd).
-        return {"controlnet": controlnet.to(device).eval(), "scheduler": DDIMScheduler()}
+        return with_loads({"controlnet": controlnet, "scheduler": DDIMScheduler()})
 
     def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
         import torch

@@ -4,10 +4,13 @@ A developer subclasses :class:`ModelFn` and implements three methods:
 
 * ``setup_io()`` declares the inputs (``add_input(name, callback=False)``) and outputs
   (``add_output(name)``) by name. The platform infers the workflow DAG from these names.
-* ``load_model(model_path, device)`` loads the model's components once per executor onto ``device``
-  (a torch device string such as ``"cpu"`` or ``"cuda:0"``) and returns them as a dict; the executor
-  keeps them and passes them to every ``execute`` call (code in ``execute`` that needs the device
-  beyond its models' own reads it from there).
+* ``load_model(model_path, device, loader=None)`` loads the model's components once per executor
+  onto ``device`` (a torch device string such as ``"cpu"`` or ``"cuda:0"``) and returns them as a
+  dict; the executor keeps them and passes them to every ``execute`` call (code in ``execute`` that
+  needs the device beyond its models' own reads it from there). ``loader`` is the executor's fast
+  model loader (``libs.dataplane.loader.Loader``), passed only to implementations that accept the
+  argument; built-in families load weights through it (``libs.models.common.load_component``) and
+  list what they loaded under ``components["_loads"]``.
 * ``execute(components, **inputs)`` runs one invocation and returns a dict with one entry per
   declared output. It must be deterministic given its inputs (seeds arrive as inputs), because the
   platform may retry a node and expects the same bytes.
@@ -105,10 +108,18 @@ class ModelFn:
         """Declare inputs and outputs with :meth:`add_input` and :meth:`add_output`."""
         raise NotImplementedError(f"{type(self).__name__} must implement setup_io()")
 
-    def load_model(self, model_path: str, device: str) -> dict[str, Any]:
+    def load_model(self, model_path: str, device: str, loader: Any = None) -> dict[str, Any]:
         """Load this function's model components from ``model_path`` onto ``device`` (a torch device
         string, e.g. ``"cpu"`` or ``"cuda:0"``); called once per executor. The components are passed
-        to every ``execute`` call; keep the device among them if ``execute`` needs it."""
+        to every ``execute`` call; keep the device among them if ``execute`` needs it.
+
+        ``loader`` is the executor's :class:`libs.dataplane.loader.Loader` (None: the process's
+        default), which loads converted checkpoints from disk or the box's shared host tier. The
+        executor passes it only if this method accepts a ``loader`` parameter, so an override with
+        the older ``(model_path, device)`` signature keeps working. Implementations that load with
+        ``libs.models.common.load_component`` record the loads under ``components["_loads"]``
+        (``libs.models.common.with_loads``): a list of ``LoadedCheckpoint`` with ``source``
+        (``"disk"`` or ``"host"``), ``bytes_from_disk`` and ``seconds``."""
         return {}
 
     def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:

@@ -46,6 +46,8 @@ async def build_real(stack: AsyncExitStack, cfg: ExecutorConfig) -> ExecutorGrou
     t0 = time.perf_counter()
     import torch  # heavy: after logging is up, so the start-up cost is visible
 
+    from libs.dataplane.hosttier import HostTier
+    from libs.dataplane.loader import Loader
     from libs.dataplane.store import TensorStore
     from libs.dataplane.transport import make_transport
     from services.executor.runtime import ModelCache, NodeRunner
@@ -60,7 +62,20 @@ async def build_real(stack: AsyncExitStack, cfg: ExecutorConfig) -> ExecutorGrou
     )
     stack.callback(transport.close)  # last: after the service stopped using the arena
     store = TensorStore(executor_id, transport, alloc_timeout=cfg.alloc_timeout_s)
-    runner = NodeRunner(store, ModelCache(Path(cfg.model_root), cfg.device), cfg.device)
+    tier = None
+    if cfg.host_tier_mb > 0:
+        # One host copy per box: every executor with the same tier name shares it (never destroyed
+        # here: the others still use it; a crashed executor's holds lapse with its locks).
+        tier = HostTier(
+            cfg.host_tier or f"{common.namespace}-host",
+            cfg.host_tier_mb << 20,
+            root=cfg.host_tier_dir,
+            block_access="read" if cfg.device.startswith("cuda") else "copy",
+        )
+        stack.callback(tier.close)
+    loader = Loader(tier, disk_threads=cfg.load_threads, chunk_bytes=cfg.load_chunk_mb << 20)
+    stack.callback(loader.close)
+    runner = NodeRunner(store, ModelCache(Path(cfg.model_root), cfg.device, loader), cfg.device)
     nc = await connect(common.nats_url, f"executor-{executor_id}")
     own(stack, nc.drain, "nats")
     subjects = Subjects(common.namespace)
@@ -77,7 +92,8 @@ async def build_real(stack: AsyncExitStack, cfg: ExecutorConfig) -> ExecutorGrou
     )
     ready = (
         f"executor ready in {time.perf_counter() - t0:.1f}s: {cfg.device}, {cfg.threads} threads, "
-        f"{transport.kind} arena of {transport.arena.capacity >> 20} MiB at {transport.address}"
+        f"{transport.kind} arena of {transport.arena.capacity >> 20} MiB at {transport.address}, "
+        + (f"host tier {tier.name!r} of {cfg.host_tier_mb} MiB" if tier is not None else "no host tier")
     )
     return ExecutorGroup([service], ready)
 

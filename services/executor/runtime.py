@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
 import io
 import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,13 +56,29 @@ from services.executor.outcome import NodeError, NodeOutcome, Png
 log = logging.getLogger(__name__)
 
 
-class ModelCache:
-    """ModelFn instances and their loaded components, kept for the executor's lifetime."""
+@dataclass(frozen=True)
+class ModelLoad:
+    """How one model got onto this executor: seconds, the tier it was read from, disk bytes."""
 
-    def __init__(self, root: Path, device: str) -> None:
+    seconds: float = 0.0
+    tier: str = ""  # "" (already resident), "host" (the box's host tier) or "disk"
+    disk_bytes: int = 0
+
+
+class ModelCache:
+    """ModelFn instances and their loaded components, kept for the executor's lifetime.
+
+    Components load through ``loader`` (a :class:`~libs.dataplane.loader.Loader`, usually over the
+    box's host tier): ModelFns whose ``load_model`` accepts a ``loader`` get it, tagged with the
+    model's key so the host tier can tell every executor of the box which models it holds.
+    """
+
+    def __init__(self, root: Path, device: str, loader: Any = None) -> None:
         self.root = root
         self.device = device
+        self.loader = loader
         self._fns: dict[str, ModelFn] = {}
+        self._takes_loader: dict[str, bool] = {}
         self._components: dict[ModelKey, dict[str, Any]] = {}
         self._lock = threading.Lock()
 
@@ -74,27 +92,65 @@ class ModelCache:
             self._fns[name] = inst
         return inst
 
-    def components(self, fn: str, model: str) -> tuple[dict[str, Any], float]:
-        """The loaded components of ``fn`` for ``model`` and the seconds spent loading (0 if resident).
+    def components(self, fn: str, model: str) -> tuple[dict[str, Any], ModelLoad]:
+        """The loaded components of ``fn`` for ``model`` and how they were loaded (``ModelLoad()``
+        when they were resident already).
 
-        The ModelFn loads them onto this executor's device: ``load_model(model_path, device)``.
+        The ModelFn loads them onto this executor's device: ``load_model(model_path, device,
+        loader=...)``. The tier is ``host`` when every checkpoint came from the box's host tier,
+        ``disk`` when any was read from disk (or the ModelFn loads by other means).
         """
         key = ModelKey(fn, model)
         comps = self._components.get(key)
         if comps is not None:
-            return comps, 0.0
+            return comps, ModelLoad()
         inst = self.fn(fn)
         path = resolve_model_path(model, self.root)
+        loader = self.loader
+        before = (loader.loads, loader.disk_bytes) if loader is not None else (0, 0)
         t0 = time.perf_counter()
         try:
-            comps = inst.load_model(path, self.device)
+            if loader is not None and self._accepts_loader(fn, inst):
+                comps = inst.load_model(path, self.device, loader=loader.tagged([key.encode()]))
+            else:
+                comps = inst.load_model(path, self.device)
         except (OSError, ValueError) as e:
             raise NodeError(f"{fn} cannot load model {model!r} (from {path!r}): {e}") from e
         load_s = time.perf_counter() - t0
+        loads, disk_bytes = (
+            (loader.loads - before[0], loader.disk_bytes - before[1]) if loader is not None else (0, 0)
+        )
+        tier = "host" if loads > 0 and disk_bytes == 0 else "disk"
         with self._lock:
             self._components[key] = comps
-        log.info("loaded %s in %.2fs", key, load_s)
-        return comps, load_s
+        log.info("loaded %s in %.2fs from %s (%d bytes from disk)", key, load_s, tier, disk_bytes)
+        return comps, ModelLoad(load_s, tier, disk_bytes)
+
+    def _accepts_loader(self, name: str, inst: ModelFn) -> bool:
+        """Whether the ModelFn's ``load_model`` takes ``loader`` (plugins written before it may not)."""
+        takes = self._takes_loader.get(name)
+        if takes is None:
+            params = inspect.signature(inst.load_model).parameters
+            takes = "loader" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+            self._takes_loader[name] = takes
+        return takes
+
+    def host_resident(self) -> list[ModelKey]:
+        """Models whose bytes the box's host tier holds (loaded by any executor of the box)."""
+        tier = getattr(self.loader, "host_tier", None)
+        if tier is None:
+            return []
+        out = []
+        for tag in sorted(tier.tags()):
+            try:
+                out.append(ModelKey.decode(tag))
+            except ValueError:
+                continue  # a tag that is not a model key (another kind of entry)
+        return out
+
+    def host_stats(self) -> dict[str, int]:
+        tier = getattr(self.loader, "host_tier", None)
+        return {k: int(v) for k, v in tier.stats().items()} if tier is not None else {}
 
     def resident(self) -> list[ModelKey]:
         """The loaded models, in the order of their encoded keys."""
@@ -211,6 +267,12 @@ class NodeRunner:
     def resident(self) -> list[ModelKey]:
         return self.models.resident()
 
+    def host_resident(self) -> list[ModelKey]:
+        return self.models.host_resident()
+
+    def host_stats(self) -> dict[str, int]:
+        return self.models.host_stats()
+
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
@@ -232,7 +294,7 @@ class NodeRunner:
             unknown = [n for n in d.inputs if n not in declared]
             if missing or unknown:
                 raise NodeError(f"{d.fn} got inputs {sorted(d.inputs)}, declares {sorted(declared)}")
-            components, load_s = self.models.components(d.fn, d.model)
+            components, load = self.models.components(d.fn, d.model)
             fetches = _Fetches(self, node)
             run.callback(fetches.close)
             try:
@@ -255,7 +317,12 @@ class NodeRunner:
             metas, pngs = self._store_outputs(d, node, outs, stored)
             store_s = time.perf_counter() - t0
             timing = NodeTiming(
-                load_s=load_s, fetch_s=fetches.seconds, exec_s=max(exec_s, 0.0), store_s=store_s
+                load_s=load.seconds,
+                fetch_s=fetches.seconds,
+                exec_s=max(exec_s, 0.0),
+                store_s=store_s,
+                load_tier=load.tier,
+                load_bytes=load.disk_bytes,
             )
             return NodeOutcome(
                 outputs=metas, pngs=pngs, timing=timing, bytes_in=fetches.nbytes, reads=fetches.reads

@@ -56,6 +56,14 @@ class Runner(Protocol):
 
     def resident(self) -> list[ModelKey]: ...
 
+    def host_resident(self) -> list[ModelKey]:
+        """Models whose bytes the box's host tier holds."""
+        ...
+
+    def host_stats(self) -> dict[str, int]:
+        """The host tier's counters (empty without one)."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -133,6 +141,8 @@ class ExecutorService:
             address=self.store.transport.address,
             fns=self.fns,
             resident=[k.encode() for k in self.runner.resident()],
+            host_resident=[k.encode() for k in self.runner.host_resident()],
+            host_tier=self.runner.host_stats(),
             running=[self.current.encode()] if self.current else [],
             arena_capacity=int(stats["capacity"]),
             arena_free=int(stats["free"]),

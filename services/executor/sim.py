@@ -120,6 +120,12 @@ class SimRunner:
     def resident(self) -> list[ModelKey]:
         return list(self._resident)
 
+    def host_resident(self) -> list[ModelKey]:
+        return []  # simulated executors have no host tier yet
+
+    def host_stats(self) -> dict[str, int]:
+        return {}
+
     def close(self) -> None:
         pass
 

@@ -165,9 +165,11 @@ def test_every_variant_declares_the_shared_controlnet_and_lora_parameters(family
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_load_model_takes_the_model_path_and_the_device(family: str) -> None:
+def test_load_model_takes_the_model_path_the_device_and_an_optional_loader(family: str) -> None:
     for cls in modelfns(family):
-        assert list(inspect.signature(cls.load_model).parameters) == ["self", "model_path", "device"]
+        params = inspect.signature(cls.load_model).parameters
+        assert list(params) == ["self", "model_path", "device", "loader"]
+        assert params["loader"].default is None
     for module in families.FAMILIES[family].modules.values():
         assert "T2I_DEVICE" not in (REPO / (module.replace(".", "/") + ".py")).read_text(), module
 
