@@ -416,6 +416,7 @@ class Loader:
         self.device_threads = max(1, int(device_threads))
         self.direct_io = direct_io
         self.tags = tuple(tags)
+        self.dtype: str | None = None  # the dtype components load in (None: as saved); see tagged()
         self.loads = 0
         self.disk_bytes = 0
         self.host_hits = 0
@@ -426,11 +427,12 @@ class Loader:
         self._streams: dict[Any, Any] = {}
         self._closed = False
 
-    def tagged(self, tags: Iterable[str]) -> Loader:
+    def tagged(self, tags: Iterable[str], dtype: str | None = None) -> Loader:
         """This loader, adding ``tags`` to every load's host-tier entry (e.g. the model key a
-        ModelFn loads for, so the tier can say which models the box holds). Shares the pools and
-        the counters; closing it does nothing."""
-        return _TaggedLoader(self, tuple(tags))  # type: ignore[return-value]
+        ModelFn loads for, so the tier can say which models the box holds) and, with ``dtype``,
+        asking components to load in that dtype (``load_component`` converts a checkpoint variant
+        per dtype). Shares the pools and the counters; closing it does nothing."""
+        return _TaggedLoader(self, tuple(tags), dtype)  # type: ignore[return-value]
 
     def close(self) -> None:
         """Stop the thread pools (after the loads in flight). Idempotent."""
@@ -621,9 +623,10 @@ class Loader:
 class _TaggedLoader:
     """A view of a :class:`Loader` that adds tags to every load (:meth:`Loader.tagged`)."""
 
-    def __init__(self, base: Loader, tags: tuple[str, ...]) -> None:
+    def __init__(self, base: Loader, tags: tuple[str, ...], dtype: str | None = None) -> None:
         self._base = base
         self._tags = tags
+        self.dtype = dtype if dtype is not None else base.dtype
 
     def load(
         self,
@@ -634,8 +637,8 @@ class _TaggedLoader:
     ) -> LoadedCheckpoint:
         return self._base.load(ckpt_dir, device, background, (*self._tags, *tags))
 
-    def tagged(self, tags: Iterable[str]) -> Loader:
-        return self._base.tagged((*self._tags, *tags))
+    def tagged(self, tags: Iterable[str], dtype: str | None = None) -> Loader:
+        return self._base.tagged((*self._tags, *tags), dtype if dtype is not None else self.dtype)
 
     def close(self) -> None:
         """The base loader is its owner's to close."""

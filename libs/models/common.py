@@ -100,6 +100,8 @@ def load_component(
     from libs.dataplane.loader import default_loader
 
     loader = loader if loader is not None else default_loader()
+    if dtype is None:
+        dtype = getattr(loader, "dtype", None)  # the executor's per-model dtype (T2I_EXECUTOR_DTYPES)
     component_dir = Path(model_path) / subfolder if subfolder else Path(model_path)
     try:
         ckpt = ensure_converted(component_dir, cls, dtype, chunk_bytes=loader.chunk_bytes)

@@ -50,7 +50,7 @@ async def build_real(stack: AsyncExitStack, cfg: ExecutorConfig) -> ExecutorGrou
     from libs.dataplane.loader import Loader
     from libs.dataplane.store import TensorStore
     from libs.dataplane.transport import make_transport
-    from services.executor.runtime import ModelCache, NodeRunner
+    from services.executor.runtime import ModelCache, NodeRunner, parse_dtypes
 
     torch.set_num_threads(cfg.threads)
     transport = make_transport(
@@ -75,7 +75,8 @@ async def build_real(stack: AsyncExitStack, cfg: ExecutorConfig) -> ExecutorGrou
         stack.callback(tier.close)
     loader = Loader(tier, disk_threads=cfg.load_threads, chunk_bytes=cfg.load_chunk_mb << 20)
     stack.callback(loader.close)
-    runner = NodeRunner(store, ModelCache(Path(cfg.model_root), cfg.device, loader), cfg.device)
+    models = ModelCache(Path(cfg.model_root), cfg.device, loader, parse_dtypes(cfg.dtypes))
+    runner = NodeRunner(store, models, cfg.device)
     nc = await connect(common.nats_url, f"executor-{executor_id}")
     own(stack, nc.drain, "nats")
     subjects = Subjects(common.namespace)

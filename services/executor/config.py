@@ -24,6 +24,9 @@ class ExecutorConfig(msgspec.Struct, forbid_unknown_fields=True):
     host_tier_dir: str = "/dev/shm"
     load_threads: int = 4
     load_chunk_mb: int = 16
+    # Component dtype per model name (as in specs): "tiny-flux=bfloat16,*=float16"; "*" for every
+    # other model; unset: as saved (the tiny CPU models stay fp32, bitwise equal to diffusers).
+    dtypes: str = ""
     # Simulation: "sim" replays profiled times instead of computing (no torch needed).
     mode: str = "real"  # "real" | "sim"
     sim_count: int = 1  # simulated executors (GPUs) in this process

@@ -73,10 +73,13 @@ class ModelCache:
     model's key so the host tier can tell every executor of the box which models it holds.
     """
 
-    def __init__(self, root: Path, device: str, loader: Any = None) -> None:
+    def __init__(
+        self, root: Path, device: str, loader: Any = None, dtypes: dict[str, str] | None = None
+    ) -> None:
         self.root = root
         self.device = device
         self.loader = loader
+        self.dtypes = dict(dtypes or {})  # model name (or "*") -> dtype its components load in
         self._fns: dict[str, ModelFn] = {}
         self._takes_loader: dict[str, bool] = {}
         self._components: dict[ModelKey, dict[str, Any]] = {}
@@ -111,7 +114,8 @@ class ModelCache:
         t0 = time.perf_counter()
         try:
             if loader is not None and self._accepts_loader(fn, inst):
-                comps = inst.load_model(path, self.device, loader=loader.tagged([key.encode()]))
+                dtype = self.dtypes.get(model, self.dtypes.get("*"))
+                comps = inst.load_model(path, self.device, loader=loader.tagged([key.encode()], dtype))
             else:
                 comps = inst.load_model(path, self.device)
         except (OSError, ValueError) as e:
@@ -156,6 +160,22 @@ class ModelCache:
         """The loaded models, in the order of their encoded keys."""
         with self._lock:
             return sorted(self._components, key=ModelKey.encode)
+
+
+DTYPES = frozenset({"float32", "float16", "bfloat16"})
+
+
+def parse_dtypes(raw: str) -> dict[str, str]:
+    """``T2I_EXECUTOR_DTYPES``: ``"model=bfloat16,*=float16"`` -> ``{"model": "bfloat16", "*": ...}``."""
+    out: dict[str, str] = {}
+    for item in filter(None, (p.strip() for p in raw.split(","))):
+        model, sep, dtype = item.partition("=")
+        if not sep or not model.strip() or dtype.strip() not in DTYPES:
+            raise ValueError(
+                f"T2I_EXECUTOR_DTYPES: {item!r} is not 'model=dtype' with dtype in {sorted(DTYPES)}"
+            )
+        out[model.strip()] = dtype.strip()
+    return out
 
 
 def decode_image(data: bytes | None, name: str) -> Any:

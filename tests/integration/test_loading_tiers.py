@@ -83,3 +83,17 @@ def test_a_model_dropped_by_an_executor_and_needed_again_comes_from_the_host_tie
         assert [k.encode() for k in again.host_resident()] == ["flux.transformer|tiny-flux"]
         assert again.host_stats()["hits"] >= 1
     tier.close()
+
+
+def test_the_component_dtype_is_configured_per_model(tiny_models: Path):
+    from services.executor.runtime import parse_dtypes
+
+    with Loader() as loader:
+        models = ModelCache(tiny_models, "cpu", loader, parse_dtypes("tiny-flux=bfloat16"))
+        comps, _ = models.components("flux.transformer", "tiny-flux")
+        assert {p.dtype for p in comps["transformer"].parameters()} == {torch.bfloat16}
+        plain = ModelCache(tiny_models, "cpu", loader)
+        comps, _ = plain.components("flux.transformer", "tiny-flux")
+        assert {p.dtype for p in comps["transformer"].parameters()} == {torch.float32}  # as saved
+    with pytest.raises(ValueError, match="T2I_EXECUTOR_DTYPES"):
+        parse_dtypes("tiny-flux=int3")
