@@ -127,7 +127,10 @@ class ModelCache:
         tier = "host" if loads > 0 and disk_bytes == 0 else "disk"
         with self._lock:
             self._components[key] = comps
-        log.info("loaded %s in %.2fs from %s (%d bytes from disk)", key, load_s, tier, disk_bytes)
+        if loads:
+            log.info("loaded %s in %.2fs from %s (%d bytes from disk)", key, load_s, tier, disk_bytes)
+        else:
+            log.info("loaded %s in %.2fs (no checkpoint through the loader)", key, load_s)
         return comps, ModelLoad(load_s, tier, disk_bytes)
 
     def _accepts_loader(self, name: str, inst: ModelFn) -> bool:
