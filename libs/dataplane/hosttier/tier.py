@@ -1,61 +1,11 @@
-"""The host tier: one copy of each checkpoint's bytes in host memory, shared by every executor of a box.
-
-Executors load model weights from disk into host memory before using them (on CPU the host bytes
-*are* the weights; on GPU they are copied to the device). :class:`HostTier` keeps those bytes in
-shared memory under a byte budget, so two executors on one box never read the same checkpoint from
-disk twice, and a model an executor evicted comes back from host memory, not disk.
-
-Design: no tier process, just files and a lock. Every process of the box opens the same tier (same
-``name``, ``budget_bytes`` and ``root``) and cooperates through
-
-* one file per entry in ``root`` (``/dev/shm``: POSIX shared memory; any directory works), mapped
-  with ``mmap`` so every process sees the same pages, zero-copy (``torch.frombuffer`` over a block's
-  ``buf`` makes tensors of them);
-* an index file (msgspec JSON: entries, their state, leases, LRU clock, box-wide counters),
-  replaced atomically and read and written only under ``fcntl.flock`` of the tier's lock file.
-  Everything done under the lock is short (parse, decide, create or unlink a file); reading a
-  checkpoint into an entry (``fill``) always happens outside it.
-
-A separate process would own the memory more tidily, but it is one more thing to start, supervise
-and talk to, and its death would take every entry with it; files and a lock need no supervisor,
-survive any one process, and the kernel releases a dead process's locks.
-
-Entries and their states. An entry is ``filling`` (one process is writing it) or ``ready``
-(immutable from then on). A key's bytes never change after ready: a block is mapped copy-on-write
-(``block_access="copy"``: writes, e.g. to CPU weights, stay private to the process) or read-only
-(``"read"``), never writable-shared; a refill only happens after eviction, into a fresh file.
-
-Leases and liveness. Every open :class:`HostBlock` is a lease recorded in the index under its
-*owner*, one per :class:`HostTier` object: a token ``{pid}-{random}`` with an owner file
-``root/…owner-{token}`` that the owner holds ``flock``-ed for its lifetime. An owner is alive iff
-its file is locked. This is used rather than ``os.kill(pid, 0)`` because executors of one box
-usually run in separate containers (separate PID namespaces: a pid means nothing to another
-container, and pids are reused), while a lock on a shared file is visible across containers and
-dies exactly with its holder. A dead owner's leases are void and its half-filled entries are
-reclaimed (unlinked, filled again by the next caller), so a crash leaks nothing.
-
-Eviction is LRU by last use (a hit counts), under ``budget_bytes`` counting each entry's size
-rounded up to whole pages. Entries that a live owner leases or fills are never evicted. If an entry
-cannot fit even after evicting everything evictable, nothing is evicted and the caller gets an
-*uncached* private block (``cached=False``) instead of an error.
-
-The budget counts what the tier holds, not what processes map: an evicted entry's file is unlinked
-at once, but a process that still maps it keeps valid memory until it unmaps (POSIX semantics), and
-the pages return to the system only then. Leases end with ``HostBlock.close()`` (or when the
-block's mapping is garbage-collected), so keep a block open as long as tensors view its bytes.
-
-Processes must not use a tier across ``fork`` (the owner lock would be shared with the child);
-create one per process. Torch-free.
-"""
+"""The host tier itself: :class:`HostTier` (lookup, eviction, filling, leases; see :mod:`libs.dataplane.hosttier`)."""
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import logging
 import mmap
 import os
-import re
 import secrets
 import threading
 import time
@@ -63,85 +13,33 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
 
 from libs.dataplane.errors import HostTierError
+from libs.dataplane.hosttier.block import HostBlock, _close_quietly, _fill_mapping, _pages, _reserve
+from libs.dataplane.hosttier.index import (
+    _FILLING,
+    _READY,
+    COUNTERS,
+    _check_name,
+    _decode_index,
+    _encode_index,
+    _Entry,
+    _Index,
+    _owner_alive,
+    _prefix,
+    _Txn,
+    _unlink,
+)
 
 log = logging.getLogger(__name__)
 
-PAGE = mmap.PAGESIZE
 MAX_KEY_LENGTH = 1024
 MAX_TAG_LENGTH = 256
-_NAME = re.compile(r"[A-Za-z0-9_-]{1,100}")
-_FILLING, _READY = "filling", "ready"
-#: Counters kept box-wide in the index and per process; ``stats()`` reports both.
-COUNTERS = (
-    "hits",
-    "misses",
-    "fills",
-    "bytes_filled",
-    "bytes_served",
-    "evictions",
-    "reclaimed",
-    "waits",
-    "uncached",
-)
 _ACCESS = {"copy": mmap.ACCESS_COPY, "read": mmap.ACCESS_READ}
-
-
-def _prefix(name: str) -> str:
-    # The dot ends the name (names have none), so one tier's files never match another's prefix.
-    return f"t2i-hosttier-{name}."
-
-
-def _check_name(name: str) -> None:
-    if not isinstance(name, str) or not _NAME.fullmatch(name):
-        raise ValueError(f"tier name {name!r} must be 1-100 letters, digits, '_' or '-'")
-
-
-def _pages(nbytes: int) -> int:
-    return -(-nbytes // PAGE) * PAGE
-
-
-# --- the index -----------------------------------------------------------------------------------
-
-
-class _Entry(msgspec.Struct):
-    segment: str  # file name in root, unique for ever (sequence number + random suffix)
-    nbytes: int
-    size: int  # nbytes rounded up to pages: what the budget counts
-    state: str  # _FILLING or _READY
-    filler: str = ""  # owner token while filling
-    last_use: int = 0  # LRU clock value of the last fill or hit
-    tags: list[str] = []
-    leases: dict[str, int] = {}  # owner token -> open blocks
-
-
-class _Index(msgspec.Struct):
-    version: int = 1
-    seq: int = 0
-    clock: int = 0
-    entries: dict[str, _Entry] = {}
-    counters: dict[str, int] = {}
-
-
-_decode_index = msgspec.json.Decoder(_Index).decode
-_encode_index = msgspec.json.Encoder().encode
-
-
-@dataclass
-class _Txn:
-    """One critical section: the index as read, and files to unlink once the lock is released."""
-
-    idx: _Index
-    doomed: list[str] = field(default_factory=list)
-
-    def count(self, tier: HostTier, counter: str, n: int = 1) -> None:
-        self.idx.counters[counter] = self.idx.counters.get(counter, 0) + n
-        tier._local[counter] += n
 
 
 @dataclass
@@ -152,78 +50,8 @@ class _Plan:
     size: int = 0
 
 
-# --- blocks --------------------------------------------------------------------------------------
-
-
-class HostBlock:
-    """``nbytes`` bytes of one key, in host memory: ``buf`` starts page-aligned and is exactly ``nbytes`` long.
-
-    ``hit``: the bytes were already there (no fill ran in this call). ``cached``: False for an
-    uncached private block (the entry did not fit the tier). ``close()`` ends this process's use of
-    the bytes (its lease); idempotent. Tensors still viewing ``buf`` after ``close()`` keep the
-    mapping alive until they go, but the entry may be evicted meanwhile.
-    """
-
-    def __init__(
-        self,
-        key: str,
-        nbytes: int,
-        mm: mmap.mmap,
-        *,
-        hit: bool,
-        cached: bool,
-        release: Callable[[], None] | None = None,
-        tier: HostTier | None = None,
-    ) -> None:
-        self.key = key
-        self.nbytes = nbytes
-        self.hit = hit
-        self.cached = cached
-        self._mm: mmap.mmap | None = mm
-        self.buf: memoryview = memoryview(mm)[:nbytes]
-        self._tier = tier
-        # Tied to the mapping, not to this object: a lease lasts while anything still views the bytes.
-        self._finalizer = weakref.finalize(mm, release) if release is not None else None
-
-    @property
-    def closed(self) -> bool:
-        return self._mm is None
-
-    def close(self) -> None:
-        mm, self._mm = self._mm, None
-        if mm is None:
-            return
-        if self._finalizer is not None:
-            self._finalizer()  # queues the lease release (at most once)
-        try:
-            self.buf.release()
-        except BufferError:
-            pass
-        try:
-            mm.close()
-        except BufferError:
-            # Tensors still view the bytes: the mapping goes when they do (or at HostTier.close()).
-            if self._tier is not None:
-                self._tier._unmap_later.append(mm)
-        if self._tier is not None:
-            self._tier._drain_soon()
-
-    def __enter__(self) -> HostBlock:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        state = "closed" if self._mm is None else ("hit" if self.hit else "filled")
-        return f"<HostBlock {self.key!r} {self.nbytes} bytes {state}{'' if self.cached else ' uncached'}>"
-
-
-# --- the tier ------------------------------------------------------------------------------------
-
-
 class HostTier:
-    """A box-wide LRU cache of immutable byte blobs in shared memory (see the module docstring).
+    """A box-wide LRU cache of immutable byte blobs in shared memory (see the package docstring).
 
     ``name``: a namespace-like token (letters, digits, ``_``, ``-``); every process of the box
     passes the same ``name``, ``budget_bytes`` and ``root``. ``block_access``: how blocks are
@@ -716,57 +544,3 @@ class _LeaseRelease:
         tier = self._tier()
         if tier is not None:
             tier._release_soon(self._key, self._segment)
-
-
-# --- helpers -------------------------------------------------------------------------------------
-
-
-def _owner_alive(path: str) -> bool:
-    """An owner is alive while it holds its owner file locked (the kernel drops the lock at exit)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-    return False
-
-
-def _reserve(fd: int, size: int) -> None:
-    """Allocate the pages now, so a full ``/dev/shm`` fails here rather than with SIGBUS mid-fill."""
-    try:
-        os.posix_fallocate(fd, 0, size)
-    except OSError as exc:
-        if exc.errno not in (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL):
-            raise
-
-
-def _fill_mapping(fd: int, size: int, nbytes: int, fill: Callable[[memoryview], None]) -> None:
-    mm = mmap.mmap(fd, size)  # shared and writable: only the filler ever maps an entry so
-    view = memoryview(mm)[:nbytes]
-    try:
-        fill(view)
-    finally:
-        try:
-            view.release()
-        except BufferError:
-            log.warning("a host-tier fill kept a reference to its buffer; it must not write to it again")
-        _close_quietly(mm)
-
-
-def _close_quietly(mm: mmap.mmap) -> None:
-    try:
-        mm.close()
-    except BufferError:
-        pass  # still exported; unmapped by the GC when the last view goes
-
-
-def _unlink(path: str | Path) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
