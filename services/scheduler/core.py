@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 
-from libs.protocol.ids import AttemptRef, ModelKey, NodeRef, image_object
+from libs.protocol.ids import AttemptRef, NodeRef, image_object
 from libs.protocol.messages import (
     CallbackReady,
     ConstInput,
@@ -55,14 +55,13 @@ from services.scheduler.effects import (
     SendDispatch,
 )
 from services.scheduler.estimates import Estimator, shape_key
+from services.scheduler.executors import ExecutorState
 from services.scheduler.lifecycle import NodeRecord, NodeState, NodeTable
 from services.scheduler.policy import Policy
-from services.scheduler.records import ExecutorState, RequestRun, metas_of
+from services.scheduler.records import RequestRun, metas_of
 from services.scheduler.snapshot import ExecutorInfo, ReadyNode, Snapshot
 
 log = logging.getLogger(__name__)
-
-LOAD_HALF_LIFE_S = 10.0
 
 
 class SchedulerCore:
@@ -148,14 +147,7 @@ class SchedulerCore:
             )
             self.executors[hb.executor] = ex
             log.info("executor %s joined (%s, %d ModelFns)", hb.executor, hb.kind, len(hb.fns))
-        ex.last_seen = now
-        ex.fns = frozenset(hb.fns)
-        resident, host_resident, running = self._decode_report(ex, hb)
-        ex.resident = resident
-        ex.host_resident = host_resident
-        ex.arena_capacity = hb.arena_capacity
-        ex.arena_free = hb.arena_free
-        ex.suspect = False
+        running = ex.apply_report(hb, now)
         ex.foreign = tuple(r for r in running if r not in self._dispatched)
         effects: list[Effect] = []
         if ex.running and ex.acked_seq is not None and hb.seq > ex.acked_seq and ex.running not in running:
@@ -165,34 +157,6 @@ class SchedulerCore:
             effects += self._requeue(ex.running, ex.id, now, reason="completion lost")
             ex.running = None
         return effects
-
-    def _decode_report(
-        self, ex: ExecutorState, hb: ExecutorHeartbeat
-    ) -> tuple[frozenset[ModelKey], frozenset[ModelKey], list[NodeRef]]:
-        """The resident models, host-tier models and running nodes a heartbeat reports, without the
-        identifiers that do not parse (logged once per change: a bad report off the bus must not stop
-        the service)."""
-        resident: list[ModelKey] = []
-        host_resident: list[ModelKey] = []
-        running: list[NodeRef] = []
-        bad: list[str] = []
-        for raws, out in ((hb.resident, resident), (hb.host_resident, host_resident)):
-            for raw in raws:
-                try:
-                    out.append(ModelKey.decode(raw))
-                except ValueError:
-                    bad.append(raw)
-        for raw in hb.running:
-            try:
-                running.append(NodeRef.decode(raw))
-            except ValueError:
-                bad.append(raw)
-        malformed = frozenset(bad)
-        if malformed != ex.malformed:
-            ex.malformed = malformed
-            if malformed:
-                log.warning("executor %s reported malformed identifiers, ignored: %s", ex.id, sorted(bad))
-        return frozenset(resident), frozenset(host_resident), running
 
     def remove_executor(self, executor_id: str, now: float, reason: str) -> list[Effect]:
         ex = self.executors.pop(executor_id, None)
@@ -282,7 +246,7 @@ class SchedulerCore:
                 id=e.id,
                 fns=e.fns,
                 resident=e.resident,
-                load=self._load(e, now),
+                load=e.busy(now),
                 arena_free=e.arena_free,
                 kind=e.kind,
                 arena_capacity=e.arena_capacity,
@@ -363,9 +327,7 @@ class SchedulerCore:
             node_id, ex.id, now, charge_s=charge_s, shapes=self._shapes(run, node_id), kind=ex.kind
         )
         node = rec.node
-        ex.running, ex.acked_seq = rec.ref, None
-        ex.load = self._load(ex, now) + 1.0
-        ex.load_at = now
+        ex.note_dispatch(rec.ref, now)
         self._dispatched[rec.ref] = None
         while len(self._dispatched) > 100_000:
             self._dispatched.popitem(last=False)
@@ -571,9 +533,6 @@ class SchedulerCore:
             **{k: v for k, v in extra.items() if v},
         }
         return PersistRequest(run.request_id, fields, tensors or {}, drop_tensors)
-
-    def _load(self, ex: ExecutorState, now: float) -> float:
-        return ex.load * 0.5 ** ((now - ex.load_at) / LOAD_HALF_LIFE_S)
 
     def tenant_stats(self) -> dict[str, dict[str, float | int]]:
         """The operator view: per tenant vTime, measured service, and its work in the system."""

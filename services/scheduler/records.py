@@ -1,4 +1,4 @@
-"""The scheduler core's records: one per executor and one per attempt at a request.
+"""The scheduler core's record of one attempt at a request (executors: ``executors.py``).
 
 A request's nodes each have a :class:`~services.scheduler.lifecycle.NodeRecord` in the attempt's
 :class:`~services.scheduler.lifecycle.NodeTable`; what belongs to the attempt as a whole (the
@@ -9,34 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from libs.protocol.ids import AttemptRef, ModelKey, NodeRef
+from libs.protocol.ids import AttemptRef
 from libs.protocol.messages import ImageRef, ImageRequest
 from libs.protocol.tensor_meta import TensorMeta
 from libs.workflow.dag import Dag, TensorSource
 from services.scheduler.lifecycle import NodeTable
-
-
-@dataclass
-class ExecutorState:
-    id: str
-    kind: str
-    fns: frozenset[str]
-    last_seen: float
-    resident: frozenset[ModelKey] = frozenset()
-    host_resident: frozenset[ModelKey] = frozenset()  # models whose bytes are in its box's host tier
-    arena_capacity: int = 0  # 0: the executor reported no arena (placement ignores arena_free)
-    arena_free: int = 0
-    running: NodeRef | None = None  # node we dispatched to it and have not seen finish
-    acked_seq: int | None = None  # executor's heartbeat seq when it accepted ``running``
-    foreign: tuple[NodeRef, ...] = ()  # nodes it reports running that this scheduler never dispatched
-    suspect: bool = False  # a dispatch to it went unanswered: skip it until it heartbeats again
-    load: float = 0.0
-    load_at: float = 0.0
-    malformed: frozenset[str] = frozenset()  # identifiers in its last heartbeat that did not parse
-
-    @property
-    def idle(self) -> bool:
-        return self.running is None and not self.foreign and not self.suspect
 
 
 @dataclass

@@ -1,0 +1,83 @@
+"""What the scheduler core knows of one executor: its last report, what it runs, how busy it is.
+
+A heartbeat is the executor's whole report (registration and liveness in one);
+:meth:`ExecutorState.apply_report` takes it in, decoding the identifiers it carries and dropping (and logging once per
+change) those that do not parse: a bad report off the bus must not stop the service. ``busy``
+is a recent-dispatch count that halves every ``LOAD_HALF_LIFE_S``: best-fit placement prefers the
+least busy executor.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from libs.protocol.ids import ModelKey, NodeRef
+from libs.protocol.messages import ExecutorHeartbeat
+
+log = logging.getLogger(__name__)
+
+LOAD_HALF_LIFE_S = 10.0
+
+
+@dataclass
+class ExecutorState:
+    id: str
+    kind: str
+    fns: frozenset[str]
+    last_seen: float
+    resident: frozenset[ModelKey] = frozenset()
+    host_resident: frozenset[ModelKey] = frozenset()  # models whose bytes are in its box's host tier
+    arena_capacity: int = 0  # 0: the executor reported no arena (placement ignores arena_free)
+    arena_free: int = 0
+    running: NodeRef | None = None  # node we dispatched to it and have not seen finish
+    acked_seq: int | None = None  # executor's heartbeat seq when it accepted ``running``
+    foreign: tuple[NodeRef, ...] = ()  # nodes it reports running that this scheduler never dispatched
+    suspect: bool = False  # a dispatch to it went unanswered: skip it until it heartbeats again
+    load: float = 0.0
+    load_at: float = 0.0
+    malformed: frozenset[str] = frozenset()  # identifiers in its last heartbeat that did not parse
+
+    @property
+    def idle(self) -> bool:
+        return self.running is None and not self.foreign and not self.suspect
+
+    def busy(self, now: float) -> float:
+        """The recent-dispatch count, decayed to ``now``."""
+        return self.load * 0.5 ** ((now - self.load_at) / LOAD_HALF_LIFE_S)
+
+    def note_dispatch(self, node: NodeRef, now: float) -> None:
+        self.running, self.acked_seq = node, None
+        self.load = self.busy(now) + 1.0
+        self.load_at = now
+
+    def apply_report(self, hb: ExecutorHeartbeat, now: float) -> list[NodeRef]:
+        """Take in a heartbeat; return the nodes it reports running."""
+        resident: list[ModelKey] = []
+        host_resident: list[ModelKey] = []
+        running: list[NodeRef] = []
+        bad: list[str] = []
+        for raws, out in ((hb.resident, resident), (hb.host_resident, host_resident)):
+            for raw in raws:
+                try:
+                    out.append(ModelKey.decode(raw))
+                except ValueError:
+                    bad.append(raw)
+        for raw in hb.running:
+            try:
+                running.append(NodeRef.decode(raw))
+            except ValueError:
+                bad.append(raw)
+        malformed = frozenset(bad)
+        if malformed != self.malformed:
+            self.malformed = malformed
+            if malformed:
+                log.warning("executor %s reported malformed identifiers, ignored: %s", self.id, sorted(bad))
+        self.last_seen = now
+        self.fns = frozenset(hb.fns)
+        self.resident = frozenset(resident)
+        self.host_resident = frozenset(host_resident)
+        self.arena_capacity = hb.arena_capacity
+        self.arena_free = hb.arena_free
+        self.suspect = False
+        return running
