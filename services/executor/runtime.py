@@ -142,22 +142,26 @@ class ModelCache:
             self._takes_loader[name] = takes
         return takes
 
-    def host_resident(self) -> list[ModelKey]:
-        """Models whose bytes the box's host tier holds (loaded by any executor of the box)."""
+    def host_report(self) -> tuple[list[ModelKey], dict[str, int]]:
+        """Models whose bytes the box's host tier holds (loaded by any executor of the box) and the
+        tier's counters, from one read of its index (empty without a tier)."""
         tier = getattr(self.loader, "host_tier", None)
         if tier is None:
-            return []
-        out = []
-        for tag in sorted(tier.tags()):
+            return [], {}
+        tags, stats = tier.report()
+        keys = []
+        for tag in sorted(tags):
             try:
-                out.append(ModelKey.decode(tag))
+                keys.append(ModelKey.decode(tag))
             except ValueError:
                 continue  # a tag that is not a model key (another kind of entry)
-        return out
+        return keys, {k: int(v) for k, v in stats.items()}
+
+    def host_resident(self) -> list[ModelKey]:
+        return self.host_report()[0]
 
     def host_stats(self) -> dict[str, int]:
-        tier = getattr(self.loader, "host_tier", None)
-        return {k: int(v) for k, v in tier.stats().items()} if tier is not None else {}
+        return self.host_report()[1]
 
     def resident(self) -> list[ModelKey]:
         """The loaded models, in the order of their encoded keys."""
@@ -290,11 +294,8 @@ class NodeRunner:
     def resident(self) -> list[ModelKey]:
         return self.models.resident()
 
-    def host_resident(self) -> list[ModelKey]:
-        return self.models.host_resident()
-
-    def host_stats(self) -> dict[str, int]:
-        return self.models.host_stats()
+    def host_report(self) -> tuple[list[ModelKey], dict[str, int]]:
+        return self.models.host_report()
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

@@ -56,12 +56,8 @@ class Runner(Protocol):
 
     def resident(self) -> list[ModelKey]: ...
 
-    def host_resident(self) -> list[ModelKey]:
-        """Models whose bytes the box's host tier holds."""
-        ...
-
-    def host_stats(self) -> dict[str, int]:
-        """The host tier's counters (empty without one)."""
+    def host_report(self) -> tuple[list[ModelKey], dict[str, int]]:
+        """Models whose bytes the box's host tier holds, and the tier's counters (empty without one)."""
         ...
 
     def close(self) -> None: ...
@@ -134,6 +130,7 @@ class ExecutorService:
     async def heartbeat(self) -> None:
         self.seq += 1
         stats = self.store.stats()
+        host_keys, host_stats = await asyncio.to_thread(self.runner.host_report)  # file lock: off the loop
         hb = ExecutorHeartbeat(
             executor=self.id,
             kind=self.kind,
@@ -141,8 +138,8 @@ class ExecutorService:
             address=self.store.transport.address,
             fns=self.fns,
             resident=[k.encode() for k in self.runner.resident()],
-            host_resident=[k.encode() for k in self.runner.host_resident()],
-            host_tier=self.runner.host_stats(),
+            host_resident=[k.encode() for k in host_keys],
+            host_tier=host_stats,
             running=[self.current.encode()] if self.current else [],
             arena_capacity=int(stats["capacity"]),
             arena_free=int(stats["free"]),

@@ -120,11 +120,8 @@ class SimRunner:
     def resident(self) -> list[ModelKey]:
         return list(self._resident)
 
-    def host_resident(self) -> list[ModelKey]:
-        return []  # simulated executors have no host tier yet
-
-    def host_stats(self) -> dict[str, int]:
-        return {}
+    def host_report(self) -> tuple[list[ModelKey], dict[str, int]]:
+        return [], {}  # simulated executors have no host tier yet
 
     def close(self) -> None:
         pass

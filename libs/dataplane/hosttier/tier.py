@@ -160,17 +160,20 @@ class HostTier:
 
     def tags(self) -> set[str]:
         """The union of the tags of ready entries (what an executor reports as in host memory)."""
-        self._check_usable()
-        with self._locked() as txn:
-            return {t for e in txn.idx.entries.values() if e.state == _READY for t in e.tags}
+        return self.report()[0]
 
     def stats(self) -> dict[str, int]:
         """Box-wide counters (``hits``, ``misses``, …), the same per process (``process_hits``, …),
         and the tier's state: ``used_bytes``, ``budget_bytes``, ``entries`` (ready or filling),
         ``ready_entries``, ``leased_entries``."""
+        return self.report()[1]
+
+    def report(self) -> tuple[set[str], dict[str, int]]:
+        """:meth:`tags` and :meth:`stats` from one read of the index (an executor's heartbeat)."""
         self._check_usable()
         with self._locked() as txn:
             idx = txn.idx
+            tags = {t for e in idx.entries.values() if e.state == _READY for t in e.tags}
             out = {c: idx.counters.get(c, 0) for c in COUNTERS}
             out.update({f"process_{c}": n for c, n in self._local.items()})
             out["used_bytes"] = sum(e.size for e in idx.entries.values())
@@ -178,7 +181,7 @@ class HostTier:
             out["entries"] = len(idx.entries)
             out["ready_entries"] = sum(e.state == _READY for e in idx.entries.values())
             out["leased_entries"] = sum(bool(e.leases) for e in idx.entries.values())
-            return out
+            return tags, out
 
     def close(self) -> None:
         """Stop using the tier: ended leases are recorded, closed blocks still mapped (tensors were
