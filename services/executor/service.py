@@ -128,9 +128,11 @@ class ExecutorService:
                 log.warning("heartbeat failed: %s", e)
 
     async def heartbeat(self) -> None:
+        # The host tier's report takes a file lock: read it off the loop, before this beat's sequence
+        # number and state are taken together (no await between them).
+        host_keys, host_stats = await asyncio.to_thread(self.runner.host_report)
         self.seq += 1
         stats = self.store.stats()
-        host_keys, host_stats = await asyncio.to_thread(self.runner.host_report)  # file lock: off the loop
         hb = ExecutorHeartbeat(
             executor=self.id,
             kind=self.kind,
