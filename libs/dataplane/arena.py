@@ -24,7 +24,7 @@ import re
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from multiprocessing import shared_memory
 from types import TracebackType
@@ -156,6 +156,7 @@ class Arena:
         self._waiting = 0
         self._closed = False
         self._buf: memoryview | None = None
+        self._reclaimer: Callable[[int], int] | None = None
 
     @contextmanager
     def _locked(self) -> Iterator[None]:
@@ -187,11 +188,19 @@ class Arena:
     def closed(self) -> bool:
         return self._closed
 
-    def allocate(self, nbytes: int, timeout: float | None = None) -> int:
+    def set_reclaimer(self, reclaimer: Callable[[int], int] | None) -> None:
+        """``reclaimer(nbytes)`` frees blocks held by cached weights (returning the bytes freed) when
+        an allocation does not fit: communication takes space from cached weights before it would
+        wait (the paper's weight virtualisation, §5.3). Called without the arena's lock held."""
+        self._reclaimer = reclaimer
+
+    def allocate(self, nbytes: int, timeout: float | None = None, reclaim: bool = True) -> int:
         """Reserve a block of at least ``nbytes`` and return its offset.
 
-        ``timeout=None`` (or <= 0) fails at once with ArenaFullError when nothing fits; otherwise
-        wait up to ``timeout`` seconds for frees. A request larger than the arena fails at once
+        When nothing fits, cached weights in the arena are reclaimed first (with ``reclaim``, the
+        default: what communication does; weights placing themselves pass False). Then
+        ``timeout=None`` (or <= 0) fails at once with ArenaFullError; otherwise wait up to
+        ``timeout`` seconds for frees. A request larger than the arena fails at once
         (non-retryable). Raises ArenaClosedError if the arena is or becomes closed.
         """
         with self._locked():
@@ -199,7 +208,22 @@ class Arena:
             try:
                 return self._alloc.alloc(nbytes)
             except ArenaFullError as exc:
-                if not is_retryable(exc) or timeout is None or timeout <= 0:
+                if not is_retryable(exc):
+                    raise
+        reclaimer = self._reclaimer if reclaim else None
+        while reclaimer is not None and reclaimer(nbytes) > 0:  # outside the lock: it frees blocks
+            with self._locked():
+                self._check_open()
+                try:
+                    return self._alloc.alloc(nbytes)
+                except ArenaFullError:
+                    continue  # freed, but not a block that fits yet (buddy fragments): more
+        with self._locked():
+            self._check_open()
+            try:
+                return self._alloc.alloc(nbytes)
+            except ArenaFullError:
+                if timeout is None or timeout <= 0:
                     raise
             # Wait for frees. Any free may merge into a block that fits, so waiters re-try on
             # every notification (a free wakes all of them: their sizes differ). No FIFO order:

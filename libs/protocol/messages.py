@@ -8,7 +8,7 @@ Each subject's union is decoded by one ``Decoder`` built at import and dispatche
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -16,6 +16,8 @@ from libs.protocol.ids import NodeRef
 from libs.protocol.tensor_meta import TensorMeta
 
 Scalar = int | float | str | bool | None
+# A fraction in [0, 1], checked where a message is decoded (NaN and infinities never pass).
+UnitFloat = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
 
 
 class _Msg(msgspec.Struct, tag_field="type", omit_defaults=True):
@@ -153,6 +155,11 @@ class NodeTiming(msgspec.Struct, frozen=True, omit_defaults=True):
     # host tier) or "disk" (at least one was read from disk).
     load_tier: Literal["", "host", "disk"] = ""
     load_bytes: int = 0  # checkpoint bytes the load read from disk
+    # The fraction of the model's bytes this run loaded onto the device: 1.0 for a load from nothing,
+    # 0.0 when it was fully resident, in between when a prefix of its layers was resident (layer-
+    # granular caching, paper §5.1). 0.0 with ``load_s > 0`` is an executor that predates the field:
+    # the scheduler reads it as a whole load.
+    load_frac: UnitFloat = 0.0
 
     @property
     def total_s(self) -> float:
@@ -213,6 +220,10 @@ class ExecutorHeartbeat(_Msg, tag="heartbeat"):
     # budget_bytes, entries).
     host_resident: list[str] = []
     host_tier: dict[str, int] = {}
+    # Encoded ModelKey -> [resident_layers, total_layers, resident_bytes, total_bytes] for every model
+    # with at least one layer on the device (layer-granular caching: a prefix of its layers may be
+    # resident). Fully loaded models are in ``resident`` too.
+    cached: dict[str, list[int]] = {}
     arena_capacity: int = 0
     arena_free: int = 0
     started_at: float = 0.0

@@ -36,7 +36,12 @@ class LocalRunner:
         model_root: Path | str,
         classes: Mapping[str, type[ModelFn]] | None = None,
         device: str = "cpu",
+        models: Any = None,
     ) -> None:
+        """``models``: an executor's model cache (``acquire(fn, model)`` -> a hold with
+        ``.components``, ``release(hold)``), so the workflow runs over its weight cache; by default
+        the runner loads every model whole, once."""
+        self.models = models
         self.model_root = Path(model_root)
         self.classes = dict(classes or {})
         self.device = device
@@ -78,7 +83,7 @@ class LocalRunner:
             if inst is None:
                 inst = self._instances[node.fn] = self._class(node.fn)()
             key = ModelKey(node.fn, node.model)
-            if key not in self._components:
+            if self.models is None and key not in self._components:
                 path = resolve_model_path(node.model, self.model_root)
                 self._components[key] = inst.load_model(path, self.device)
             kwargs: dict[str, Any] = {}
@@ -97,8 +102,16 @@ class LocalRunner:
                     kwargs[name] = values[src]
             if on_node is not None:
                 on_node(node)
-            with torch.no_grad():
-                outs = inst.execute(self._components[key], **kwargs)
+            if self.models is None:
+                with torch.no_grad():
+                    outs = inst.execute(self._components[key], **kwargs)
+            else:
+                held = self.models.acquire(node.fn, node.model)
+                try:
+                    with torch.no_grad():
+                        outs = inst.execute(held.components, **kwargs)
+                finally:
+                    self.models.release(held)
             for out in node.outputs:
                 values[TensorSource(node.id, out)] = outs[out]
         return {name: values[src] for name, src in dag.outputs.items()}

@@ -25,7 +25,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -52,37 +52,87 @@ from libs.workflow.modelfn import Deferred, ModelFn
 from libs.workflow.paths import resolve_model_path
 from services.executor.callbacks import CallbackBox
 from services.executor.outcome import NodeError, NodeOutcome, Png
+from services.executor.weights import LayerLoadError, LoadReport, WeightCache
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class ModelLoad:
-    """How one model got onto this executor: seconds, the tier it was read from, disk bytes."""
+    """How one model got onto this executor for a node: seconds (before execute, plus execute's
+    waits for layers still loading), the tier it was read from, disk bytes, and the fraction of the
+    model's bytes loaded (0 when every layer was resident)."""
 
     seconds: float = 0.0
     tier: str = ""  # "" (already resident), "host" (the box's host tier) or "disk"
     disk_bytes: int = 0
+    frac: float = 0.0
+
+
+class _HostStaging:
+    """The loader a ModelFn's ``load_model`` gets: checkpoints land in host memory, in the
+    background (the :class:`~services.executor.weights.WeightCache` copies them onto the device
+    layer by layer while the first layers already run). ``sync`` loads in the foreground, so
+    ``load_component``'s own recovery from a corrupt checkpoint applies (after a failed load)."""
+
+    def __init__(self, base: Any, sync: bool = False) -> None:
+        self._base = base
+        self._sync = sync
+
+    def load(self, ckpt_dir: Any, device: Any = "cpu", background: bool = False, tags: Any = ()) -> Any:
+        return self._base.load(ckpt_dir, "cpu", background=not self._sync, tags=tags)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._base, name)  # chunk_bytes, dtype, counters, host_tier
+
+
+@dataclass
+class Acquired:
+    """A model held for one node run (:meth:`ModelCache.acquire` / :meth:`ModelCache.release`)."""
+
+    key: ModelKey
+    components: dict[str, Any]
+    job: Any = None  # the WeightCache's LoadJob (None: a model without virtualised layers)
+    report: LoadReport = field(default_factory=LoadReport)
 
 
 class ModelCache:
-    """ModelFn instances and their loaded components, kept for the executor's lifetime.
+    """ModelFn instances and their loaded components; the components' weights live in a
+    :class:`~services.executor.weights.WeightCache` (layer by layer, evicted under pressure).
 
     Components load through ``loader`` (a :class:`~libs.dataplane.loader.Loader`, usually over the
     box's host tier): ModelFns whose ``load_model`` accepts a ``loader`` get it, tagged with the
     model's key so the host tier can tell every executor of the box which models it holds.
+    ``budget`` bounds the bytes of cached weights on the device (0: no bound on the CPU; on CUDA
+    the GPU's free memory bounds it anyway); ``arena`` and ``arena_budget`` let cached weights use
+    idle arena space, which communication takes back.
     """
 
     def __init__(
-        self, root: Path, device: str, loader: Any = None, dtypes: dict[str, str] | None = None
+        self,
+        root: Path,
+        device: str,
+        loader: Any = None,
+        dtypes: dict[str, str] | None = None,
+        *,
+        budget: int = 0,
+        arena: Any = None,
+        arena_budget: int = 0,
+        kind: str = "",
+        keep: Any = None,
     ) -> None:
         self.root = root
         self.device = device
         self.loader = loader
         self.dtypes = dict(dtypes or {})  # model name (or "*") -> dtype its components load in
+        self.weights = WeightCache(
+            device, budget, loader=loader, arena=arena, arena_budget=arena_budget,
+            kind=kind or torch.device(device).type, keep=keep,
+        )  # fmt: skip
         self._fns: dict[str, ModelFn] = {}
         self._takes_loader: dict[str, bool] = {}
         self._components: dict[ModelKey, dict[str, Any]] = {}
+        self._sync_next: set[ModelKey] = set()  # reload in the foreground after a failed load
         self._lock = threading.Lock()
 
     def fn(self, name: str) -> ModelFn:
@@ -95,43 +145,71 @@ class ModelCache:
             self._fns[name] = inst
         return inst
 
-    def components(self, fn: str, model: str) -> tuple[dict[str, Any], ModelLoad]:
-        """The loaded components of ``fn`` for ``model`` and how they were loaded (``ModelLoad()``
-        when they were resident already).
-
-        The ModelFn loads them onto this executor's device: ``load_model(model_path, device,
-        loader=...)``. The tier is ``host`` when every checkpoint came from the box's host tier,
-        ``disk`` when any was read from disk (or the ModelFn loads by other means).
-        """
+    def acquire(self, fn: str, model: str) -> Acquired:
+        """The components of ``fn`` for ``model``, held for one run: loaded on first use (the
+        ModelFn's ``load_model(model_path, device, loader=...)``), their missing layers placed and
+        being copied in (execute may start at once). Always end with :meth:`release`."""
         key = ModelKey(fn, model)
-        comps = self._components.get(key)
-        if comps is not None:
-            return comps, ModelLoad()
-        inst = self.fn(fn)
-        path = resolve_model_path(model, self.root)
-        loader = self.loader
-        before = (loader.loads, loader.disk_bytes) if loader is not None else (0, 0)
         t0 = time.perf_counter()
+        comps = self._components.get(key)
+        first = comps is None
+        if comps is None:
+            comps = self._load(key)
+        report = LoadReport()
+        if key in self.weights.models:
+            job, report = self.weights.begin(key)
+            if first:
+                report.seconds = time.perf_counter() - t0
+            return Acquired(key, comps, job, report)
+        if first:  # nothing to virtualise (no checkpoint through the loader): loaded whole, now
+            report = LoadReport(seconds=time.perf_counter() - t0, tier="disk", frac=1.0)
+        return Acquired(key, comps, None, report)
+
+    def components(self, fn: str, model: str) -> tuple[dict[str, Any], ModelLoad]:
+        """The components of ``fn`` for ``model`` with every layer loaded, and how they were loaded
+        (``ModelLoad()`` when they were resident already): :meth:`acquire` then :meth:`release`."""
+        held = self.acquire(fn, model)
+        return held.components, self.release(held)
+
+    def release(self, held: Acquired, stall_s: float = 0.0) -> ModelLoad:
+        """After the run: the load as it went (the layers' copies waited for), the model unpinned
+        and the cache trimmed to its budget. Raises NodeError when a layer could not be loaded."""
+        report = held.report
+        if held.job is not None:
+            try:
+                self.weights.end(held.key, held.job, report)
+            except LayerLoadError as e:
+                self._forget(held.key)
+                raise NodeError(str(e), retryable=True) from e
+        return ModelLoad(report.seconds + stall_s, report.tier, report.disk_bytes, report.frac)
+
+    def _load(self, key: ModelKey) -> dict[str, Any]:
+        inst = self.fn(key.fn)
+        path = resolve_model_path(key.model, self.root)
+        loader = self.loader
         try:
-            if loader is not None and self._accepts_loader(fn, inst):
-                dtype = self.dtypes.get(model, self.dtypes.get("*"))
-                comps = inst.load_model(path, self.device, loader=loader.tagged([key.encode()], dtype))
+            if loader is not None and self._accepts_loader(key.fn, inst):
+                dtype = self.dtypes.get(key.model, self.dtypes.get("*"))
+                tagged = loader.tagged([key.encode()], dtype)
+                staging = _HostStaging(tagged, sync=key in self._sync_next)
+                comps = inst.load_model(path, self.device, loader=staging)
+                self._sync_next.discard(key)
+                self.weights.add(key, comps, loader=tagged)
             else:
                 comps = inst.load_model(path, self.device)
         except (OSError, ValueError) as e:
-            raise NodeError(f"{fn} cannot load model {model!r} (from {path!r}): {e}") from e
-        load_s = time.perf_counter() - t0
-        loads, disk_bytes = (
-            (loader.loads - before[0], loader.disk_bytes - before[1]) if loader is not None else (0, 0)
-        )
-        tier = "host" if loads > 0 and disk_bytes == 0 else "disk"
+            raise NodeError(f"{key.fn} cannot load model {key.model!r} (from {path!r}): {e}") from e
         with self._lock:
             self._components[key] = comps
-        if loads:
-            log.info("loaded %s in %.2fs from %s (%d bytes from disk)", key, load_s, tier, disk_bytes)
-        else:
-            log.info("loaded %s in %.2fs (no checkpoint through the loader)", key, load_s)
-        return comps, ModelLoad(load_s, tier, disk_bytes)
+        log.info("loaded %s (%d layers)", key, len(getattr(self.weights.models.get(key), "slots", ())))
+        return comps
+
+    def _forget(self, key: ModelKey) -> None:
+        """Drop a model whose load failed: the next node loads it again, in the foreground."""
+        with self._lock:
+            self._components.pop(key, None)
+        self.weights.remove(key)
+        self._sync_next.add(key)
 
     def _accepts_loader(self, name: str, inst: ModelFn) -> bool:
         """Whether the ModelFn's ``load_model`` takes ``loader`` (plugins written before it may not)."""
@@ -164,9 +242,22 @@ class ModelCache:
         return self.host_report()[1]
 
     def resident(self) -> list[ModelKey]:
-        """The loaded models, in the order of their encoded keys."""
+        """The models loaded with every layer on the device, in the order of their encoded keys."""
+        cached = self.weights.snapshot()
         with self._lock:
-            return sorted(self._components, key=ModelKey.encode)
+            keys = list(self._components)
+        full = [
+            k for k in keys if k not in self.weights.models or (k in cached and cached[k][0] == cached[k][1])
+        ]
+        return sorted(full, key=ModelKey.encode)
+
+    def cached(self) -> dict[ModelKey, tuple[int, int, int, int]]:
+        """Per model with any layer on the device: (resident layers, layers, resident bytes, bytes)."""
+        return self.weights.snapshot()  # type: ignore[return-value]
+
+    def trim(self, fn: str, model: str, resident: int) -> None:
+        """Keep only the first ``resident`` layers of a loaded model (benchmarks, tests)."""
+        self.weights.trim(ModelKey(fn, model), resident)
 
 
 DTYPES = frozenset({"float32", "float16", "bfloat16"})
@@ -294,6 +385,10 @@ class NodeRunner:
     def resident(self) -> list[ModelKey]:
         return self.models.resident()
 
+    def cached(self) -> dict[ModelKey, tuple[int, int, int, int]]:
+        """Per model with any layer on the device: (resident layers, layers, resident bytes, bytes)."""
+        return self.models.cached()
+
     def host_report(self) -> tuple[list[ModelKey], dict[str, int]]:
         return self.models.host_report()
 
@@ -318,18 +413,26 @@ class NodeRunner:
             unknown = [n for n in d.inputs if n not in declared]
             if missing or unknown:
                 raise NodeError(f"{d.fn} got inputs {sorted(d.inputs)}, declares {sorted(declared)}")
-            components, load = self.models.components(d.fn, d.model)
             fetches = _Fetches(self, node)
             run.callback(fetches.close)
+            held = self.models.acquire(d.fn, d.model)  # missing layers copy in while it runs
+            vm = self.models.weights.models.get(held.key)
             try:
-                inputs, deferred = self._bind_inputs(d, declared, blobs or {}, fetches)
-                outs, exec_s = self._execute(fn, components, inputs, fetches)
+                try:
+                    inputs, deferred = self._bind_inputs(d, declared, blobs or {}, fetches)
+                    outs, exec_s = self._execute(fn, held.components, inputs, fetches)
+                finally:
+                    stall_s = vm.stall_s if vm is not None else 0.0
+                    load = self.models.release(held, stall_s)  # unpinned: evictable again
             except NodeError:
                 raise
+            except LayerLoadError as e:
+                raise NodeError(f"{d.fn}: {e}", retryable=True) from e
             except torch.OutOfMemoryError as e:
                 raise NodeError(f"{d.fn} ran out of memory: {e}", retryable=True) from e
             except Exception as e:  # noqa: BLE001 - a ModelFn bug fails the node, not the executor
                 raise NodeError(f"{d.fn}.execute raised {type(e).__name__}: {e}") from e
+            exec_s -= stall_s  # waiting for weights is loading, not compute
             if not isinstance(outs, dict):
                 raise NodeError(f"{d.fn}.execute returned {type(outs).__name__}, not a dict of outputs")
             for dfr, meta in deferred:  # callback inputs execute never asked for: done with too
@@ -347,6 +450,7 @@ class NodeRunner:
                 store_s=store_s,
                 load_tier=load.tier,
                 load_bytes=load.disk_bytes,
+                load_frac=min(1.0, max(0.0, load.frac)),
             )
             return NodeOutcome(
                 outputs=metas, pngs=pngs, timing=timing, bytes_in=fetches.nbytes, reads=fetches.reads

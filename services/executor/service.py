@@ -56,6 +56,10 @@ class Runner(Protocol):
 
     def resident(self) -> list[ModelKey]: ...
 
+    def cached(self) -> dict[ModelKey, tuple[int, int, int, int]]:
+        """Per model with layers on the device: (resident layers, layers, resident bytes, bytes)."""
+        ...
+
     def host_report(self) -> tuple[list[ModelKey], dict[str, int]]:
         """Models whose bytes the box's host tier holds, and the tier's counters (empty without one)."""
         ...
@@ -142,6 +146,7 @@ class ExecutorService:
             resident=[k.encode() for k in self.runner.resident()],
             host_resident=[k.encode() for k in host_keys],
             host_tier=host_stats,
+            cached={k.encode(): list(v) for k, v in self.runner.cached().items() if v[0] > 0},
             running=[self.current.encode()] if self.current else [],
             arena_capacity=int(stats["capacity"]),
             arena_free=int(stats["free"]),

@@ -251,6 +251,7 @@ class SchedulerCore:
                 kind=e.kind,
                 arena_capacity=e.arena_capacity,
                 host_resident=e.host_resident,
+                cached=e.cached,
             )
             for e in idle_execs
         )
@@ -403,6 +404,7 @@ class SchedulerCore:
             run_s=t.fetch_s + t.exec_s + t.store_s,
             load_s=t.load_s,
             load_tier=t.load_tier or "disk",
+            load_frac=t.load_frac,
         )
         correction = self.accounts.correct(run.req.tenant, rec.charge_s, t.total_s)
         run.executors.add(msg.executor)

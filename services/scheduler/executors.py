@@ -2,7 +2,9 @@
 
 A heartbeat is the executor's whole report (registration and liveness in one);
 :meth:`ExecutorState.apply_report` takes it in, decoding the identifiers it carries and dropping (and logging once per
-change) those that do not parse: a bad report off the bus must not stop the service. ``busy``
+change) those that do not parse: a bad report off the bus must not stop the service. ``cached``
+is how much of each model is on the device, as the fraction of its bytes (layer-granular caching,
+paper §5.1: a prefix of a model's layers may be resident; a fully loaded model counts 1.0). ``busy``
 is a recent-dispatch count that halves every ``LOAD_HALF_LIFE_S``: best-fit placement prefers the
 least busy executor.
 """
@@ -10,7 +12,9 @@ least busy executor.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from libs.protocol.ids import ModelKey, NodeRef
 from libs.protocol.messages import ExecutorHeartbeat
@@ -18,6 +22,20 @@ from libs.protocol.messages import ExecutorHeartbeat
 log = logging.getLogger(__name__)
 
 LOAD_HALF_LIFE_S = 10.0
+
+
+def cached_fraction(value: object) -> float | None:
+    """The fraction of a model's bytes on the device from a heartbeat's ``cached`` entry
+    ``[resident_layers, total_layers, resident_bytes, total_bytes]``; None when it is malformed
+    (not four integers, negative, more resident than total, or a total of 0)."""
+    if not isinstance(value, (list, tuple)) or len(value) != 4:
+        return None
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
+        return None
+    layers, total_layers, nbytes, total_bytes = value
+    if total_layers == 0 or total_bytes == 0 or layers > total_layers or nbytes > total_bytes:
+        return None
+    return nbytes / total_bytes
 
 
 @dataclass
@@ -36,7 +54,10 @@ class ExecutorState:
     suspect: bool = False  # a dispatch to it went unanswered: skip it until it heartbeats again
     load: float = 0.0
     load_at: float = 0.0
-    malformed: frozenset[str] = frozenset()  # identifiers in its last heartbeat that did not parse
+    malformed: frozenset[str] = frozenset()  # entries of its last heartbeat that did not parse
+    # Model -> fraction of its bytes on the device (resident models: 1.0; absent: nothing cached).
+    # Replaced by each report, never mutated, so snapshots share it.
+    cached: Mapping[ModelKey, float] = field(default_factory=lambda: MappingProxyType({}))
 
     @property
     def idle(self) -> bool:
@@ -68,15 +89,28 @@ class ExecutorState:
                 running.append(NodeRef.decode(raw))
             except ValueError:
                 bad.append(raw)
+        cached: dict[ModelKey, float] = {}
+        for raw, value in hb.cached.items():
+            frac = cached_fraction(value)
+            try:
+                key = ModelKey.decode(raw)
+            except ValueError:
+                frac = None
+            if frac is None:
+                bad.append(f"cached {raw}={value!r}")
+            elif frac > 0.0:
+                cached[key] = frac
+        cached.update(dict.fromkeys(resident, 1.0))
         malformed = frozenset(bad)
         if malformed != self.malformed:
             self.malformed = malformed
             if malformed:
-                log.warning("executor %s reported malformed identifiers, ignored: %s", self.id, sorted(bad))
+                log.warning("executor %s reported malformed entries, ignored: %s", self.id, sorted(bad))
         self.last_seen = now
         self.fns = frozenset(hb.fns)
         self.resident = frozenset(resident)
         self.host_resident = frozenset(host_resident)
+        self.cached = MappingProxyType(cached)
         self.arena_capacity = hb.arena_capacity
         self.arena_free = hb.arena_free
         self.suspect = False

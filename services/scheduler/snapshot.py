@@ -8,8 +8,9 @@ lifts of tenants that (re)joined.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from libs.protocol.ids import ModelKey, NodeRef
 
@@ -57,6 +58,14 @@ class ExecutorInfo:
     kind: str = "cpu"
     arena_capacity: int = 0  # 0: it reported no arena, so arena_free is not a constraint
     host_resident: frozenset[ModelKey] = frozenset()  # models whose bytes are in its box's host tier
+    # Model -> fraction of its bytes on the device (a prefix of its layers may be resident, paper
+    # §5.1); models in ``resident`` count 1.0 whether listed here or not. Shared with the executor's
+    # state (replaced per heartbeat, never mutated); left out of the hash like the mutable it is.
+    cached: Mapping[ModelKey, float] = field(default_factory=lambda: MappingProxyType({}), hash=False)
+
+    def fraction(self, key: ModelKey) -> float:
+        """How much of ``key``'s model is on the device: 1.0 resident, 0.0 none."""
+        return 1.0 if key in self.resident else self.cached.get(key, 0.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,12 +105,14 @@ class Decision:
 
 def charge_for(node: ReadyNode, ex: ExecutorInfo) -> float:
     """The estimate charged at dispatch: run time, plus the load the executor would do — none when
-    the model is resident, from host memory when its bytes are in the box's host tier, else from
-    disk. The completion replaces it with the measured time (and the tier the load really used)."""
+    the model is resident, else the part of it not on the device (``1 - fraction`` of the whole-model
+    load) from host memory when its bytes are in the box's host tier, else from disk. The completion
+    replaces it with the measured time (and the tier the load really used)."""
     key = node.model_key
-    if key in ex.resident:
+    frac = ex.fraction(key)
+    if frac >= 1.0:
         return node.est_s
-    return node.est_s + (node.load_host_s if key in ex.host_resident else node.load_s)
+    return node.est_s + (1.0 - frac) * (node.load_host_s if key in ex.host_resident else node.load_s)
 
 
 def best_fit(node: ReadyNode, executors: Iterable[ExecutorInfo]) -> ExecutorInfo | None:
@@ -110,9 +121,11 @@ def best_fit(node: ReadyNode, executors: Iterable[ExecutorInfo]) -> ExecutorInfo
     Only executors that can run its ModelFn and have room for it: a consumer allocates the inputs it
     pulls from other executors in its own arena, so an executor that reported an arena
     (``arena_capacity > 0``) whose ``arena_free`` is less than the node's input bytes held elsewhere
-    is no fit. Among those: model already resident first (no load on the critical path), then its
-    bytes in the box's host tier (a load without disk), then the most input bytes already local (no
-    transfer), then the least loaded; the id breaks ties so the choice is deterministic.
+    is no fit. Among those: most of the model already on the device first (the largest fraction of
+    its bytes: fully resident means no load on the critical path, a resident prefix of its layers a
+    shorter one), then its bytes in the box's host tier (a load without disk), then the most input
+    bytes already local (no transfer), then the least loaded; the id breaks ties so the choice is
+    deterministic.
     """
     local: dict[str, int] = {}
     total = 0
@@ -128,7 +141,8 @@ def best_fit(node: ReadyNode, executors: Iterable[ExecutorInfo]) -> ExecutorInfo
         here = local.get(ex.id, 0)
         if ex.arena_capacity > 0 and total - here > ex.arena_free:
             continue
-        rank = (model not in ex.resident, model not in ex.host_resident, -here, ex.load, ex.id)
+        frac = 1.0 if model in ex.resident else ex.cached.get(model, 0.0)
+        rank = (-frac, model not in ex.host_resident, -here, ex.load, ex.id)
         if best is None or rank < best:
             best, choice = rank, ex
     return choice

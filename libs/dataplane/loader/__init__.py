@@ -20,6 +20,11 @@ Layers. The checkpoint stores tensors in execution order, so "layer ``L`` is rea
 chunk before ``L``'s end has landed": ``layer_ready[L]`` (a ``threading.Event``) is set in layer
 order as the prefix grows, and a forward may start on the first blocks while the rest still loads
 (the paper, ServerlessT2I, §5). On CUDA, ``cuda_events[L]`` is also recorded on the copy stream.
+``layer_seconds[L]`` is when ``L``'s event was set, from the load's start (a per-layer profile).
+``load(..., first_layer=k)`` loads only ``layers[k:]`` (layer-prefix caching, §5.1): only the chunks
+from the one holding layer ``k``'s start on (and any holding a tensor of the suffix tied to an
+earlier layer) are read and copied; the earlier layers' events are set at once and their bytes are
+unspecified. A host-tier hit or fill stays whole; ``use_host_tier=False`` bypasses the tier.
 
 Host tier. With a ``host_tier`` (:class:`libs.dataplane.hosttier.HostTier`) the flat host buffer
 is a block of the box-wide shared tier: ``host_tier.get_or_fill(key, nbytes, fill, tags)`` returns a

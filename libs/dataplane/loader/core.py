@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import mmap
+import operator
 import os
 import threading
 import warnings
@@ -101,26 +102,57 @@ class Loader:
         device: Any = "cpu",
         background: bool = False,
         tags: Iterable[str] = (),
+        *,
+        first_layer: int = 0,
+        use_host_tier: bool = True,
     ) -> LoadedCheckpoint:
         """Load the checkpoint in ``ckpt_dir`` onto ``device``. Returns once everything has landed
         (raising :class:`CorruptCheckpoint` on a corrupt or truncated partition), or with
         ``background`` once the tensors exist, their bytes still landing (on the CPU with a host
         tier, that is after the fill: the tier maps the bytes only then). ``tags`` go to the host
-        tier entry with the loader's own and ``ckpt:<component folder>``."""
+        tier entry with the loader's own and ``ckpt:<component folder>``.
+
+        ``first_layer`` (0 to ``len(index.layers)``; ValueError otherwise): load only the layers
+        ``index.layers[first_layer:]`` (layer-prefix caching: the caller still has the earlier ones,
+        e.g. on its device). Only the chunks from the one holding ``layers[first_layer].start`` to
+        the end are read and CRC-checked (and those holding tensors of the suffix tied to an earlier
+        layer's, e.g. a tied head's weight); on CUDA only those are copied to the device. The
+        buffer keeps its full size and every tensor its place, but **the bytes of the layers before
+        ``first_layer`` are unspecified** (zero or garbage: never use those tensors); their
+        ``layer_ready`` events are set at once, the others in order as their bytes land.
+        ``first_layer == len(index.layers)`` reads nothing and returns done.
+
+        With a host tier, a hit maps the tier's block as always (nothing is read, so
+        ``first_layer`` saves nothing but, on CUDA, device copies), and a miss still fills the
+        whole block from disk (an entry must be complete, so the next load is a hit): the partial
+        read is the private path's. ``use_host_tier=False`` takes the private path even when the
+        loader has a tier (the tier is not touched). ``loads`` counts the call, ``disk_bytes`` (and
+        the result's ``bytes_from_disk``) the bytes really read."""
         import torch
 
         if self._closed:
             raise RuntimeError("the loader is closed")
         path = Path(ckpt_dir)
         index = read_index(path)
+        first_layer = operator.index(first_layer)
+        if not 0 <= first_layer <= len(index.layers):
+            raise ValueError(
+                f"first_layer={first_layer} is out of range: {path} has {len(index.layers)} layers "
+                f"(0 to {len(index.layers)} allowed)"
+            )
         check_sizes(path, index)  # a truncated file fails before anything is allocated
         dev = torch.device(device)
         if dev.type == "cuda" and dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
-        loaded = LoadedCheckpoint(path, index, dev)
+        loaded = LoadedCheckpoint(path, index, dev, first_layer)
         with self._lock:
             self.loads += 1
-        if self.host_tier is None or index.total_bytes == 0:
+        if (
+            self.host_tier is None
+            or not use_host_tier
+            or index.total_bytes == 0
+            or first_layer == len(index.layers)  # nothing to load: no tier entry to fill
+        ):
             self._load_private(loaded)
         else:
             self._load_via_host_tier(loaded, background, tuple(tags))
@@ -177,7 +209,9 @@ class Loader:
         def fill(buf: memoryview) -> None:
             filled.append(True)
             addr = buffer_address(buf)
-            job = _ReadJob(self, loaded, buf, addr % PAGE == 0, device_flat, addr, finish=False)
+            job = _ReadJob(
+                self, loaded, buf, addr % PAGE == 0, device_flat, addr, finish=False, read_all=True
+            )  # the whole block, whatever first_layer: the entry must be complete
             if device_flat is not None and _cuda_register(addr, index.total_bytes):
                 job.on_end.append(lambda: _cuda_unregister(addr))  # the fill's mapping goes after this
             job.start()
@@ -255,8 +289,9 @@ class Loader:
         aligned: bool,
         device_flat: torch.Tensor | None,
     ) -> _ReadJob:
-        """Start reading every chunk of ``loaded`` from disk: into ``host`` (the flat host buffer) or,
-        with none, through the staging pool; on CUDA each landed chunk is copied to ``device_flat``."""
+        """Start reading the chunks ``loaded`` needs (every one, or a suffix's) from disk: into
+        ``host`` (the flat host buffer) or, with none, through the staging pool; on CUDA each landed
+        chunk is copied to ``device_flat``."""
         job = _ReadJob(self, loaded, host, aligned, device_flat, None, finish=True)
         job.start()
         return job
@@ -276,8 +311,18 @@ class _TaggedLoader:
         device: Any = "cpu",
         background: bool = False,
         tags: Iterable[str] = (),
+        *,
+        first_layer: int = 0,
+        use_host_tier: bool = True,
     ) -> LoadedCheckpoint:
-        return self._base.load(ckpt_dir, device, background, (*self._tags, *tags))
+        return self._base.load(
+            ckpt_dir,
+            device,
+            background,
+            (*self._tags, *tags),
+            first_layer=first_layer,
+            use_host_tier=use_host_tier,
+        )
 
     def tagged(self, tags: Iterable[str], dtype: str | None = None) -> Loader:
         return self._base.tagged((*self._tags, *tags), dtype if dtype is not None else self.dtype)

@@ -1,7 +1,8 @@
 """Where the bytes go: the chunks a checkpoint is read in (:class:`_Chunk`, ranges of the flat host
-buffer), each tensor's place in a flat *device* buffer (:func:`device_layout`), the tensors as views
-of a flat buffer (:func:`views`), and each chunk's pieces of tensors in the device buffer
-(:func:`_segments`).
+buffer), the chunks a load of a suffix of the layers needs (:func:`needed_ranges`,
+:func:`needed_chunks`), each tensor's place in a flat *device* buffer (:func:`device_layout`), the
+tensors as views of a flat buffer (:func:`views`), and each chunk's pieces of tensors in the device
+buffer (:func:`_segments`).
 
 torch is imported inside functions: ``libs.dataplane`` stays importable without it.
 """
@@ -47,6 +48,44 @@ def views(index: Index, flat: torch.Tensor, offsets: dict[str, int] | None = Non
             continue
         at = offsets[e.name] if offsets is not None else bases[e.partition] + e.offset
         out[e.name] = flat[at : at + e.nbytes].view(getattr(torch, e.dtype)).view(e.shape)
+    return out
+
+
+def needed_ranges(index: Index, first_layer: int) -> list[tuple[int, int]]:
+    """The flat byte ranges ``[lo, hi)`` a load of the layers ``index.layers[first_layer:]`` needs,
+    sorted: from the first of those layers' start to the end of the buffer and, before it, the
+    stored bytes of any of their tensors tied to (an ``alias_of``) a tensor of an earlier layer
+    (a tied head's weight lives with the embedding), so every tensor of those layers has its bytes.
+    Empty when ``first_layer`` is past the last layer; the whole buffer for ``first_layer == 0``."""
+    if first_layer <= 0:
+        return [(0, index.total_bytes)] if index.total_bytes else []
+    suffix = index.layers[first_layer:]
+    if not suffix:
+        return []
+    start = min(layer.start for layer in suffix)  # layers[first_layer].start: starts are in order
+    names = {layer.name for layer in suffix}
+    bases = index.partition_bases()
+    out = [
+        (lo, min(lo + e.nbytes, start))
+        for e in index.tensors
+        if e.alias_of is not None and e.layer in names and e.nbytes
+        and (lo := bases[e.partition] + e.offset) < start
+    ]  # fmt: skip
+    if start < index.total_bytes:
+        out.append((start, index.total_bytes))
+    return sorted(out)
+
+
+def needed_chunks(chunks: list[_Chunk], ranges: list[tuple[int, int]]) -> list[bool]:
+    """Per chunk (in flat order), whether it overlaps one of ``ranges`` (sorted, as
+    :func:`needed_ranges` gives them): the chunks a load reads."""
+    out: list[bool] = []
+    r = 0
+    for c in chunks:
+        lo, hi = c.flat, c.flat + c.nbytes
+        while r < len(ranges) and ranges[r][1] <= lo:
+            r += 1
+        out.append(r < len(ranges) and ranges[r][0] < hi)
     return out
 
 

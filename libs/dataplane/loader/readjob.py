@@ -1,7 +1,9 @@
 """The read job: one checkpoint's chunks through the two stages (disk -> host, host -> device),
 each on its loader's thread pool (:class:`_ReadJob`); the partitions' file descriptors
 (:class:`_Files`, ``O_DIRECT`` where the filesystem allows it) and the per-layer progress
-(:class:`_Progress`).
+(:class:`_Progress`). A load of a suffix of the layers (``LoadedCheckpoint.first_layer``) reads
+only the chunks it needs (:func:`~libs.dataplane.loader.layout.needed_chunks`), unless it fills a
+host-tier block, which must be whole.
 
 torch is imported inside functions: ``libs.dataplane`` stays importable without it.
 """
@@ -18,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from libs.dataplane.checkpoint import Index, checksum
 from libs.dataplane.errors import CorruptCheckpoint
-from libs.dataplane.loader.layout import _Chunk, _segments, device_layout
+from libs.dataplane.loader.layout import _Chunk, _segments, device_layout, needed_chunks, needed_ranges
 from libs.dataplane.loader.loaded import LoadedCheckpoint
 from libs.dataplane.loader.staging import _host_tensor
 
@@ -85,7 +87,12 @@ class _Files:
 
 
 class _Progress:
-    """Which chunks have landed; sets each layer's event once the contiguous prefix covers it."""
+    """Which chunks have landed; sets each layer's event once the contiguous prefix covers it.
+
+    ``chunks`` are the ones the load reads, in flat order (on a suffix load, not every chunk): a
+    layer from ``loaded.first_layer`` on is ready once every one of them that starts before the
+    layer's end has landed (its own bytes, and those of tensors it ties to an earlier layer, come
+    before its end). The layers before ``first_layer`` were set when the load began."""
 
     def __init__(
         self, loaded: LoadedCheckpoint, chunks: list[_Chunk], on_layer: Callable[[str], None]
@@ -95,7 +102,7 @@ class _Progress:
         self.landed = [False] * len(chunks)
         self.next = 0  # first chunk not landed
         self.layers = loaded.index.layers
-        self.next_layer = 0
+        self.next_layer = loaded.first_layer
         self.on_layer = on_layer
         self.lock = threading.Lock()
         self._advance(0)
@@ -111,12 +118,15 @@ class _Progress:
         while self.next_layer < len(self.layers) and self.layers[self.next_layer].end <= watermark:
             name = self.layers[self.next_layer].name
             self.on_layer(name)
-            self.loaded.layer_ready[name].set()
+            self.loaded._layer_landed(name)
             self.next_layer += 1
 
 
 class _ReadJob:
-    """One checkpoint's chunks through the two stages."""
+    """One checkpoint's chunks through the two stages: the chunks ``loaded`` needs (every one for
+    a full load; from the one holding ``layers[first_layer].start`` on, and those holding tensors
+    tied into the suffix, for a suffix load), or with ``read_all`` (a host-tier fill) every chunk
+    read from disk, though only the needed ones are copied to the device."""
 
     def __init__(
         self,
@@ -129,6 +139,7 @@ class _ReadJob:
         finish: bool,
         *,
         from_disk: bool = True,
+        read_all: bool = False,
     ) -> None:
         self.loader = loader
         self.loaded = loaded
@@ -137,7 +148,10 @@ class _ReadJob:
         self.host_addr = host_addr
         self.finish_loaded = finish
         self.from_disk = from_disk
-        self.chunks = loader._chunks(loaded.index)
+        every = loader._chunks(loaded.index)
+        needed = needed_chunks(every, needed_ranges(loaded.index, loaded.first_layer))
+        self.chunks = every if read_all else [c for c, n in zip(every, needed, strict=True) if n]
+        self.copies = needed if read_all else [True] * len(self.chunks)  # per chunk: to the device?
         self.files = _Files(loaded.path, loaded.index, loader.direct_io and aligned) if from_disk else None
         self.error: BaseException | None = None
         self.bytes_read = 0
@@ -238,7 +252,7 @@ class _ReadJob:
             self._skip()
             return
         try:
-            if self.device_flat is not None:
+            if self.device_flat is not None and self.copies[i]:
                 self._copy(i, slot)
             self.progress.mark(i)
         except BaseException as e:  # noqa: BLE001

@@ -1,0 +1,584 @@
+"""Weight virtualisation: every loaded model's layers in a Layer Lookup Table, placed, evicted and
+reloaded layer by layer, with reloads pipelined behind the first layers' compute.
+
+The paper (ServerlessT2I, arXiv 2607.26566, §5.3, Fig. 9-left) decouples a model's logical layers
+from the memory holding their weights. Here each model a ModelFn loads through
+:func:`~libs.models.common.load_component` gets a :class:`VirtualModel`: one :class:`LayerSlot` per
+layer of its converted checkpoint (a block of a ``ModuleList`` or another top-level module, in
+execution order), naming the tensors of the layer, the module attributes they are bound to, and
+where their bytes live:
+
+* ``device``: a buffer of the framework's allocator (on the CPU an anonymous page-aligned mapping,
+  so eviction returns the pages at once; on CUDA ``torch.empty`` on the device);
+* ``arena``: a block of the data-plane arena (idle communication memory holding cached weights);
+* ``none``: evicted. The parameters then point at a one-element placeholder of the right dtype and
+  device, expanded to the shape (NaN for floats), so ``model.device`` and ``model.dtype`` still
+  answer and a forward that ran through an evicted layer could not go unnoticed. The bytes stay in
+  the box's host tier (or on disk) for the next load.
+
+A ModelFn never notices: parameters are rebound in place (``module._parameters[name]``), ties and
+``requires_grad`` flags kept, and every layer's module gets a forward pre-hook that waits for its
+own weights, so a model whose first layers are resident starts computing while a loader thread
+copies the rest in order (§5.1; on CUDA on a side stream, the hook then waits on the layer's
+event). Which layers stay is :class:`~libs.dataplane.weights.CachePolicy`'s decision, shared with
+the simulated executors; this module applies it to memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import mmap
+import threading
+import time
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from libs.dataplane.checkpoint import Index
+from libs.dataplane.errors import DataPlaneError
+from libs.dataplane.loader.layout import DEVICE_ALIGN
+from libs.dataplane.weights import ARENA, DEVICE, CachePolicy, Eviction, prefix_length
+from libs.models.common import loaded_checkpoint
+
+log = logging.getLogger(__name__)
+
+PAGE = 4096
+
+
+class LayerLoadError(RuntimeError):
+    """A layer's weights could not be loaded (the node fails; the executor goes on)."""
+
+
+@dataclass
+class _Tensor:
+    """One parameter or buffer of a layer: where it goes in the layer's buffer and whom it binds."""
+
+    owner: torch.nn.Module
+    attr: str
+    parameter: bool
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    flat: int  # offset in the checkpoint's flat host buffer
+    nbytes: int
+    at: int = 0  # offset in the layer's buffer
+    aliases: list[tuple[torch.nn.Module, str]] = field(default_factory=list)  # tied names
+
+
+class LayerSlot:
+    """One row of the Layer Lookup Table."""
+
+    def __init__(self, component: int, name: str, module: torch.nn.Module | None) -> None:
+        self.component = component
+        self.name = name
+        self.module = module  # the layer's module (None: a tensor held directly by a parent)
+        self.tensors: list[_Tensor] = []
+        self.start = 0  # flat range of the layer in its checkpoint
+        self.end = 0
+        self.base = 0  # flat offset the layer's buffer starts at (page-aligned on the CPU)
+        self.nbytes = 0  # size of the layer's buffer
+        self.where = "none"
+        self.storage: torch.Tensor | None = None
+        self.arena_offset: int | None = None
+        self.ready = threading.Event()
+        self.filled = False
+        self.event: Any = None  # CUDA event recorded after the copy (None on the CPU)
+
+
+class _Component:
+    def __init__(self, module: torch.nn.Module, path: Path, index: Index, first: int) -> None:
+        self.module = module
+        self.path = path  # the converted checkpoint
+        self.index = index
+        self.first = first  # its first slot in the model's table
+
+
+def _placeholder(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    fill = math.nan if dtype.is_floating_point else 0
+    return torch.full((), fill, dtype=dtype, device=device).expand(shape)
+
+
+class VirtualModel:
+    """The Layer Lookup Table of one model key: the layers of all its components, in order."""
+
+    def __init__(self, key: Hashable, components: dict[str, Any], device: torch.device) -> None:
+        self.key = key
+        self.device = device
+        self.components: list[_Component] = []
+        self.slots: list[LayerSlot] = []
+        self.sources: dict[int, Any] = {}  # component -> LoadedCheckpoint to copy from (this load)
+        self.loader: Any = None  # reloads evicted layers (tagged with the model's key)
+        self.stall_s = 0.0  # waiting in pre-hooks for weights, this run
+        self.profiling = False
+        self.comp_s: list[float] = []
+        self._started: dict[int, float] = {}
+        self._hooks: list[Any] = []
+        seen: set[int] = set()
+        for value in components.values():
+            for item in value if isinstance(value, list | tuple) else (value,):
+                loaded = loaded_checkpoint(item) if isinstance(item, torch.nn.Module) else None
+                if loaded is None or id(item) in seen:
+                    continue
+                seen.add(id(item))
+                self._add_component(item, loaded)
+        self.comp_s = [0.0] * len(self.slots)
+
+    # -- the table ---------------------------------------------------------------------------------
+    def _add_component(self, module: torch.nn.Module, loaded: Any) -> None:
+        index: Index = loaded.index
+        c = len(self.components)
+        comp = _Component(module, loaded.path, index, len(self.slots))
+        self.components.append(comp)
+        self.sources[c] = loaded
+        by_layer: dict[str, LayerSlot] = {}
+        for layer in index.layers:
+            try:
+                sub = module.get_submodule(layer.name)
+            except AttributeError:
+                sub = None  # a tensor held directly by a module passed through (scale_shift_table)
+            slot = LayerSlot(c, layer.name, sub)
+            slot.start, slot.end = layer.start, layer.end
+            by_layer[layer.name] = slot
+            self.slots.append(slot)
+        bases = index.partition_bases()
+        named: dict[str, _Tensor] = {}
+        for e in index.tensors:
+            path, _, attr = e.name.rpartition(".")
+            owner = module.get_submodule(path)
+            if e.alias_of is not None:
+                named[e.alias_of].aliases.append((owner, attr))
+                continue
+            t = _Tensor(
+                owner, attr, e.kind == "parameter", getattr(torch, e.dtype), tuple(e.shape),
+                bases[e.partition] + e.offset, e.nbytes,
+            )  # fmt: skip
+            named[e.name] = t
+            by_layer[e.layer].tensors.append(t)
+        cuda = self.device.type == "cuda"
+        for slot in by_layer.values():
+            if not slot.tensors:
+                continue
+            if cuda:  # as .to("cuda") would allocate them
+                at = 0
+                for t in slot.tensors:
+                    at = -(-at // DEVICE_ALIGN) * DEVICE_ALIGN
+                    t.at = at
+                    at += t.nbytes
+                slot.nbytes = -(-at // DEVICE_ALIGN) * DEVICE_ALIGN
+            else:  # the same address residues mod 4 KiB as the host buffer: the same bits
+                slot.base = slot.start // PAGE * PAGE
+                for t in slot.tensors:
+                    t.at = t.flat - slot.base
+                slot.nbytes = -(-(slot.end - slot.base) // PAGE) * PAGE
+        self._install_hooks(comp, [s for s in self.slots[comp.first :]])
+
+    def sizes(self) -> list[int]:
+        return [s.nbytes for s in self.slots]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.slots)
+
+    # -- hooks -----------------------------------------------------------------------------------
+    def _install_hooks(self, comp: _Component, slots: list[LayerSlot]) -> None:
+        loose = [s for s in slots if s.module is None and s.tensors]  # waited for before any layer
+        first_module = True
+        for i, slot in enumerate(slots, start=comp.first):
+            if slot.module is None:
+                continue
+            waits = [*loose, slot] if first_module else [slot]
+            first_module = False
+            self._hooks.append(slot.module.register_forward_pre_hook(self._pre_hook(i, waits)))
+            self._hooks.append(slot.module.register_forward_hook(self._post_hook(i)))
+        if loose:
+            self._hooks.append(comp.module.register_forward_pre_hook(self._pre_hook(-1, loose)))
+
+    def _pre_hook(self, i: int, waits: list[LayerSlot]) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, args: Any) -> None:
+            for slot in waits:
+                if not slot.ready.is_set():
+                    t0 = time.perf_counter()
+                    slot.ready.wait()
+                    self.stall_s += time.perf_counter() - t0
+                if not slot.filled and slot.tensors:
+                    raise LayerLoadError(f"layer {slot.name} of {self.key} was not loaded")
+                if slot.event is not None:
+                    torch.cuda.current_stream(self.device).wait_event(slot.event)
+            if self.profiling and i >= 0:
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                self._started[i] = time.perf_counter()
+
+        return hook
+
+    def _post_hook(self, i: int) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+            if self.profiling and i in self._started:
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                self.comp_s[i] += time.perf_counter() - self._started.pop(i)
+
+        return hook
+
+    # -- memory ----------------------------------------------------------------------------------
+    def bind(self, i: int, storage: torch.Tensor) -> None:
+        """Point layer ``i``'s parameters and buffers at their bytes in ``storage`` (ties too)."""
+        for t in self.slots[i].tensors:
+            view = storage[t.at : t.at + t.nbytes].view(t.dtype).view(t.shape)
+            table = t.owner._parameters if t.parameter else t.owner._buffers
+            old = table[t.attr]
+            value: torch.Tensor = view
+            if t.parameter:
+                value = torch.nn.Parameter(view, requires_grad=bool(old is not None and old.requires_grad))
+            table[t.attr] = value
+            for owner, attr in t.aliases:
+                (owner._parameters if t.parameter else owner._buffers)[attr] = value
+
+    def unbind(self, i: int) -> None:
+        """Layer ``i``'s tensors point at placeholders: its bytes can be freed."""
+        for t in self.slots[i].tensors:
+            table = t.owner._parameters if t.parameter else t.owner._buffers
+            old = table[t.attr]
+            value = _placeholder(t.shape, t.dtype, self.device)
+            if t.parameter:
+                value = torch.nn.Parameter(value, requires_grad=bool(old is not None and old.requires_grad))
+            table[t.attr] = value
+            for owner, attr in t.aliases:
+                (owner._parameters if t.parameter else owner._buffers)[attr] = value
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        for loaded in self.sources.values():
+            _drop_source(loaded)
+        self.sources.clear()
+
+
+def _flat(loaded: Any) -> torch.Tensor:
+    """The flat uint8 host buffer a LoadedCheckpoint's tensors view."""
+    for t in loaded.tensors.values():
+        if t.numel():
+            return torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
+    return torch.empty(0, dtype=torch.uint8)
+
+
+def _drop_source(loaded: Any) -> None:
+    loaded.close()
+    loaded.tensors = {}  # the views were the last references to its buffer
+    loaded.host_block = None
+
+
+@dataclass
+class LoadReport:
+    """How one acquisition brought a model onto the device."""
+
+    seconds: float = 0.0  # before execute could start (plus, after the run, the stalls in it)
+    tier: str = ""  # "" (all resident), "host" or "disk"
+    disk_bytes: int = 0
+    frac: float = 0.0  # fraction of the model's bytes loaded
+    layers: int = 0  # layers loaded
+
+
+class LoadJob:
+    """Copies a model's missing layers into their new buffers, in order, on a loader thread."""
+
+    def __init__(self, cache: WeightCache, vm: VirtualModel, layers: list[int]) -> None:
+        self.cache = cache
+        self.vm = vm
+        self.layers = layers
+        self.error: BaseException | None = None
+        self.tier = "host"
+        self.disk_bytes = 0
+        self.load_s: dict[int, float] = {}
+        self._thread = threading.Thread(target=self._run, name="t2i-weights", daemon=True)
+
+    def start(self) -> None:
+        if self.layers:
+            self._thread.start()
+
+    def wait(self) -> None:
+        if self.layers:
+            self._thread.join()
+        if self.error is not None:
+            raise LayerLoadError(f"loading {self.vm.key}: {self.error}") from self.error
+
+    def _run(self) -> None:
+        vm = self.vm
+        opened: list[Any] = []
+        stream = self.cache.side_stream()
+        try:
+            sources: dict[int, Any] = {}
+            flats: dict[int, torch.Tensor] = {}
+            last = time.perf_counter()
+            for i in self.layers:
+                slot = vm.slots[i]
+                c = slot.component
+                if c not in sources:
+                    src = vm.sources.pop(c, None)
+                    if src is None:  # a reload: only the component's missing suffix
+                        comp = vm.components[c]
+                        src = vm.loader.load(comp.path, "cpu", background=True, first_layer=i - comp.first)
+                    opened.append(src)
+                    sources[c] = src
+                src = sources[c]
+                src.wait_layer(slot.name)
+                if slot.tensors:
+                    flats.setdefault(c, _flat(src))
+                    self.cache.fill(vm, i, flats[c], stream)
+                slot.filled = True
+                slot.ready.set()
+                now = time.perf_counter()
+                self.load_s[i] = now - last
+                last = now
+            for src in opened:
+                src.wait()
+                if src.source != "host":
+                    self.tier = "disk"
+                self.disk_bytes += src.bytes_from_disk
+        except BaseException as e:  # noqa: BLE001 - reported by wait(); waiting hooks are released
+            self.error = e
+        finally:
+            for i in self.layers:
+                vm.slots[i].ready.set()
+            for src in opened:
+                _drop_source(src)
+
+
+class WeightCache:
+    """One executor's device memory for model weights: a :class:`CachePolicy` applied to real
+    buffers. Thread-safe; the node thread acquires and releases, loader threads fill, and a
+    communication allocation in the arena may reclaim weights (:meth:`reclaim`)."""
+
+    def __init__(
+        self,
+        device: torch.device | str,
+        budget: int,
+        *,
+        loader: Any,
+        arena: Any = None,
+        arena_budget: int = 0,
+        kind: str = "cpu",
+        keep: Callable[[Hashable, list[int]], int | None] | None = None,
+    ) -> None:
+        self.device = torch.device(device)
+        self.unlimited = budget <= 0
+        self.policy = CachePolicy(budget if budget > 0 else 1 << 62, arena_budget if arena is not None else 0)
+        self.loader = loader
+        self.arena = arena
+        self.kind = kind
+        self.keep_override = keep
+        self.models: dict[Hashable, VirtualModel] = {}
+        self.profiles: dict[tuple[Hashable, str], dict[str, list[float]]] = {}
+        self._lock = threading.RLock()
+        self._stream: Any = None
+        self.evictions = 0
+        if arena is not None and hasattr(arena, "set_reclaimer"):
+            arena.set_reclaimer(self.reclaim)
+
+    # -- models ----------------------------------------------------------------------------------
+    def add(self, key: Hashable, components: dict[str, Any], loader: Any = None) -> VirtualModel:
+        """Take over the layers of ``components`` (just loaded: their checkpoints are the sources of
+        the first copy); ``loader`` reloads evicted layers later (the cache's own if None)."""
+        vm = VirtualModel(key, components, self.device)
+        vm.loader = loader if loader is not None else self.loader
+        with self._lock:
+            self.models[key] = vm
+            keep = self.keep_override(key, vm.sizes()) if self.keep_override else None
+            self.policy.add(key, vm.sizes(), keep)
+        return vm
+
+    def begin(self, key: Hashable) -> tuple[LoadJob, LoadReport]:
+        """Pin ``key``, make room, place its missing layers and start copying them in; the model
+        may execute at once (its hooks wait per layer). End with :meth:`end`."""
+        t0 = time.perf_counter()
+        vm = self.models[key]
+        with self._lock:
+            self._refresh_budget()
+            before = self.policy.resident(key)
+
+            def try_arena(layer: int, nbytes: int) -> bool:
+                return self._take_arena(vm.slots[layer])
+
+            placements = self.policy.acquire(key, self._apply_eviction, try_arena)
+            for i, region in placements:
+                self._allocate(vm, i, region)
+            for i, _ in placements:
+                vm.slots[i].ready.clear()
+                vm.slots[i].filled = False
+        missing = [i for i, _ in placements]
+        total = vm.nbytes
+        report = LoadReport(
+            frac=(sum(vm.slots[i].nbytes for i in missing) / total) if total else 0.0,
+            layers=len(missing),
+        )
+        vm.stall_s = 0.0
+        vm.profiling = (key, self.kind) not in self.profiles and before == 0 and bool(missing)
+        if vm.profiling:
+            vm.comp_s = [0.0] * len(vm.slots)
+        job = LoadJob(self, vm, missing)
+        job.start()
+        report.seconds = time.perf_counter() - t0
+        return job, report
+
+    def end(self, key: Hashable, job: LoadJob, report: LoadReport) -> None:
+        """After the run (however it went): wait for the copies, unpin, keep the profile, trim."""
+        vm = self.models[key]
+        try:
+            job.wait()
+            if job.layers:
+                report.tier = job.tier
+                report.disk_bytes = job.disk_bytes
+            if vm.profiling:
+                self._profile(vm, job)
+        except LayerLoadError:
+            with self._lock:  # what did not land is not resident
+                filled = 0
+                while filled < len(vm.slots) and vm.slots[filled].filled:
+                    filled += 1
+                for ev in self.policy.shrink(key, filled, force=True):
+                    self._apply_eviction(ev)
+            raise
+        finally:
+            vm.profiling = False
+            with self._lock:
+                self.policy.unpin(key)
+                for ev in self.policy.over_budget():
+                    self._apply_eviction(ev)
+
+    def _profile(self, vm: VirtualModel, job: LoadJob) -> None:
+        loads = [job.load_s.get(i, 0.0) for i in range(len(vm.slots))]
+        prof = self.profiles.setdefault((vm.key, self.kind), {})
+        prof[job.tier] = loads
+        prof["comp"] = list(vm.comp_s)
+        if self.keep_override is None:
+            keep = prefix_length(loads, vm.comp_s)
+            with self._lock:
+                self.policy.set_keep(vm.key, keep)
+            log.info("%s: %d layers, keeps %d first (Le' from %s loads)", vm.key, len(loads), keep, job.tier)
+
+    def remove(self, key: Hashable) -> None:
+        """Forget ``key`` (unpinned): its layers are freed and its hooks removed."""
+        with self._lock:
+            vm = self.models.get(key)
+            if vm is None:
+                return
+            for ev in self.policy.remove(key):
+                self._apply_eviction(ev)
+            del self.models[key]
+        vm.close()
+
+    def trim(self, key: Hashable, resident: int) -> None:
+        """Evict ``key``'s top layers until ``resident`` remain (benchmarks and tests)."""
+        with self._lock:
+            for ev in self.policy.shrink(key, resident):
+                self._apply_eviction(ev)
+
+    def reclaim(self, nbytes: int) -> int:
+        """A communication allocation needs ``nbytes`` of the arena: give it cached weights (never
+        those of a model that is executing). Returns the arena bytes freed."""
+        with self._lock:
+            evictions = self.policy.reclaim(ARENA, nbytes)
+            for ev in evictions:
+                self._apply_eviction(ev)
+        freed = sum(ev.nbytes for ev in evictions if ev.region == ARENA)
+        if evictions:
+            log.info("communication reclaimed %d arena bytes of cached weights", freed)
+        return freed
+
+    def snapshot(self) -> dict[Hashable, tuple[int, int, int, int]]:
+        with self._lock:
+            return self.policy.snapshot()
+
+    def resident_bytes(self) -> int:
+        with self._lock:
+            return self.policy.used[DEVICE] + self.policy.used[ARENA]
+
+    # -- memory ----------------------------------------------------------------------------------
+    def side_stream(self) -> Any:
+        if self.device.type != "cuda":
+            return None
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=self.device)
+        return self._stream
+
+    def _refresh_budget(self) -> None:
+        """On CUDA the device region is also bounded by what the GPU has free right now."""
+        if self.device.type != "cuda":
+            return
+        free, _total = torch.cuda.mem_get_info(self.device)
+        headroom = 1 << 30  # activations of the next forward
+        room = self.policy.used[DEVICE] + max(0, free - headroom)
+        if self.unlimited:
+            self.policy.budgets[DEVICE] = room
+        else:
+            self.policy.budgets[DEVICE] = min(self.policy.budgets[DEVICE], room)
+
+    def _take_arena(self, slot: LayerSlot) -> bool:
+        """A block of the arena for ``slot`` (False when communication holds the space)."""
+        if self.arena is None:
+            return False
+        if slot.nbytes == 0:
+            return True
+        try:  # at least a page: blocks of a page or more are page-aligned (the residues hold)
+            slot.arena_offset = self.arena.allocate(max(slot.nbytes, PAGE), timeout=None, reclaim=False)
+        except DataPlaneError:
+            return False
+        return True
+
+    def _allocate(self, vm: VirtualModel, i: int, region: str) -> None:
+        slot = vm.slots[i]
+        slot.where = region
+        if slot.nbytes == 0:
+            return
+        if region == ARENA:
+            assert slot.arena_offset is not None
+            slot.storage = self._arena_tensor(slot.arena_offset, slot.nbytes)
+        else:
+            slot.storage = self._device_buffer(slot.nbytes)
+
+    def _device_buffer(self, nbytes: int) -> torch.Tensor:
+        if self.device.type == "cpu":
+            mem = mmap.mmap(-1, nbytes)  # page-aligned; unmapped when the last view goes
+            return torch.frombuffer(mem, dtype=torch.uint8)
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def _arena_tensor(self, offset: int, nbytes: int) -> torch.Tensor:
+        if self.arena.device == "cpu":
+            return torch.frombuffer(self.arena.view(offset, nbytes), dtype=torch.uint8)
+        return self.arena.tensor(offset, nbytes)
+
+    def fill(self, vm: VirtualModel, i: int, flat: torch.Tensor, stream: Any) -> None:
+        """Copy layer ``i`` from the checkpoint's flat host buffer into its buffer and bind it."""
+        slot = vm.slots[i]
+        dst = slot.storage
+        assert dst is not None, f"layer {slot.name} has no buffer"
+        if self.device.type == "cpu":
+            n = slot.end - slot.base
+            dst[:n].copy_(flat[slot.base : slot.end])
+        else:
+            with torch.cuda.stream(stream):
+                for t in slot.tensors:
+                    dst[t.at : t.at + t.nbytes].copy_(flat[t.flat : t.flat + t.nbytes], non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(stream)
+            slot.event = ev
+        with self._lock:
+            vm.bind(i, dst)
+
+    def _apply_eviction(self, ev: Eviction) -> None:
+        vm = self.models[ev.key]
+        slot = vm.slots[ev.layer]
+        vm.unbind(ev.layer)
+        slot.ready.clear()
+        slot.filled = False
+        slot.event = None
+        slot.storage = None
+        if slot.arena_offset is not None:
+            self.arena.free(slot.arena_offset)
+            slot.arena_offset = None
+        slot.where = "none"
+        self.evictions += 1
