@@ -75,7 +75,17 @@ async def build_real(stack: AsyncExitStack, cfg: ExecutorConfig) -> ExecutorGrou
         stack.callback(tier.close)
     loader = Loader(tier, disk_threads=cfg.load_threads, chunk_bytes=cfg.load_chunk_mb << 20)
     stack.callback(loader.close)
-    models = ModelCache(Path(cfg.model_root), cfg.device, loader, parse_dtypes(cfg.dtypes))
+    if not 0.0 <= cfg.arena_weights <= 1.0:
+        raise ValueError(f"T2I_EXECUTOR_ARENA_WEIGHTS must be in [0, 1], got {cfg.arena_weights}")
+    models = ModelCache(
+        Path(cfg.model_root),
+        cfg.device,
+        loader,
+        parse_dtypes(cfg.dtypes),
+        budget=max(0, cfg.device_budget_mb) << 20,
+        arena=transport.arena,
+        arena_budget=int(cfg.arena_weights * transport.arena.capacity),
+    )
     runner = NodeRunner(store, models, cfg.device)
     nc = await connect(common.nats_url, f"executor-{executor_id}")
     own(stack, nc.drain, "nats")
@@ -95,6 +105,7 @@ async def build_real(stack: AsyncExitStack, cfg: ExecutorConfig) -> ExecutorGrou
         f"executor ready in {time.perf_counter() - t0:.1f}s: {cfg.device}, {cfg.threads} threads, "
         f"{transport.kind} arena of {transport.arena.capacity >> 20} MiB at {transport.address}, "
         + (f"host tier {tier.name!r} of {cfg.host_tier_mb} MiB" if tier is not None else "no host tier")
+        + (f", weights budget {cfg.device_budget_mb} MiB" if cfg.device_budget_mb > 0 else "")
     )
     return ExecutorGroup([service], ready)
 

@@ -24,6 +24,12 @@ class ExecutorConfig(msgspec.Struct, forbid_unknown_fields=True):
     host_tier_dir: str = "/dev/shm"
     load_threads: int = 4
     load_chunk_mb: int = 16
+    # Weights on the device (docs/memory.md): cached layer by layer, least recently used models'
+    # last layers evicted first. ``device_budget_mb`` bounds them (0: no bound on a CPU; on CUDA the
+    # GPU's free memory bounds them anyway); ``arena_weights`` is the share of the data-plane arena
+    # that cached weights may fill while communication does not need it (it takes them back).
+    device_budget_mb: int = 0
+    arena_weights: float = 0.5
     # Component dtype per model name (as in specs): "tiny-flux=bfloat16,*=float16"; "*" for every
     # other model; unset: as saved (the tiny CPU models stay fp32, bitwise equal to diffusers).
     dtypes: str = ""

@@ -403,12 +403,23 @@ class WeightCache:
             def try_arena(layer: int, nbytes: int) -> bool:
                 return self._take_arena(vm.slots[layer])
 
-            placements = self.policy.acquire(key, self._apply_eviction, try_arena)
+            evicted: list[Eviction] = []
+
+            def evict(ev: Eviction) -> None:
+                evicted.append(ev)
+                self._apply_eviction(ev)
+
+            placements = self.policy.acquire(key, evict, try_arena)
             for i, region in placements:
                 self._allocate(vm, i, region)
             for i, _ in placements:
                 vm.slots[i].ready.clear()
                 vm.slots[i].filled = False
+        if evicted:
+            log.info(
+                "evicted %d layers (%d bytes) of %s to place %s",
+                len(evicted), sum(ev.nbytes for ev in evicted), sorted({str(ev.key) for ev in evicted}), key,
+            )  # fmt: skip
         missing = [i for i, _ in placements]
         total = vm.nbytes
         report = LoadReport(

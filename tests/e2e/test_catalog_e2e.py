@@ -1,6 +1,10 @@
 """The catalog through the whole platform: registered over HTTP, ControlNet and LoRA requests served
 by two executors (the ControlNet in parallel with the base model, its outputs forwarded and fetched
 mid-forward), images equal to the monolithic diffusers pipelines; bad requests refused meanwhile.
+
+The executors' weight budget (1 MiB) is smaller than one tiny workflow's models (~1.4 MB), so the
+workflows evict each other's layers between requests (and within one), and every image is still
+bitwise the pipeline's: evicted layers are reloaded, pipelined behind the layers still resident.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from tests.conftest import cleanup_namespace, free_port
 
 pytestmark = pytest.mark.e2e
 KEY = "sk-cat"
+BUDGET_MB = 1
 
 
 @pytest.fixture(scope="session")
@@ -54,6 +59,7 @@ def stack(broker_urls, catalog_models, tmp_path_factory):
         api_keys=f"{KEY}=cat:admin",
         nats_url=nats_url,
         redis_url=redis_url,
+        extra_env={"T2I_EXECUTOR_DEVICE_BUDGET_MB": str(BUDGET_MB)},
     )
     s.start()
     try:
@@ -271,3 +277,10 @@ def test_cfg_parallel_runs_both_passes_of_a_step_on_two_executors_and_equals_tru
     want = Pipes(built[1]).image("tiny-flux", flux_params(), negative_prompt="blurry", true_cfg_scale=2.5)
     assert np.array_equal(pixels(resp["data"][0]["b64_json"]), want.image)
     assert len(state(stack, resp["id"])["executors"].split(",")) == 2
+
+
+def test_the_executors_evicted_layers_under_their_budget_and_served_every_request_meanwhile(stack):
+    # Runs after the requests above (file order): under a 1 MiB budget they evicted each other.
+    logs = "".join(stack.read_log(name) for name in stack.procs if name.startswith("executor"))
+    assert "evicted " in logs and " layers (" in logs, logs[-3000:]
+    assert all(p.poll() is None for p in stack.procs.values())

@@ -196,6 +196,9 @@ class CachePolicy:
         )
         if evictable < need:
             raise NoRoom(region, nbytes, self.budgets[region], self.used[region] - evictable)
+        return self._evict_until(region, nbytes, exclude)
+
+    def _evict_until(self, region: str, nbytes: int, exclude: Hashable = None) -> list[Eviction]:
         out: list[Eviction] = []
         for key, _layer in self.victims(exclude):
             if self.free(region) >= nbytes:
@@ -228,8 +231,8 @@ class CachePolicy:
                 region = DEVICE
                 try:
                     evictions = self.make_room(DEVICE, nbytes, exclude=key)
-                except NoRoom:
-                    evictions = self.make_room(DEVICE, 0)  # nothing: it runs over the budget
+                except NoRoom:  # what can go goes; the model runs over the budget
+                    evictions = self._evict_until(DEVICE, nbytes, exclude=key)
                 for ev in evictions:
                     evict(ev)
             self.placed(key, layer, region)
@@ -242,15 +245,16 @@ class CachePolicy:
         to evict. Never waits, never raises; returns the evictions."""
         out: list[Eviction] = []
         freed = 0
-        for key, _layer in self.victims():
-            if freed >= nbytes:
-                break
-            if not any(r == region for r in self._models[key].regions):
-                continue  # nothing of this model in the region: keep it whole
-            ev = self._evict_top(key, self._models[key])
-            out.append(ev)
-            if ev.region == region:
-                freed += ev.nbytes
+        for phase in (1, 2):  # victims() order, but a model without layers in region stays whole
+            for key, model in list(self._models.items()):
+                if model.pins:
+                    continue
+                floor = model.keep if phase == 1 else 0
+                while freed < nbytes and model.resident > floor and region in model.regions:
+                    ev = self._evict_top(key, model)
+                    out.append(ev)
+                    if ev.region == region:
+                        freed += ev.nbytes
         return out
 
     def shrink(self, key: Hashable, resident: int, *, force: bool = False) -> list[Eviction]:

@@ -13,8 +13,10 @@ and the shortest prefix that hides loading completely is
 Real models are not uniform (a Flux transformer has embedders, 19 double and 38 single blocks and an
 output head; a VAE decoder's up-blocks differ in size), so :func:`pipelined_seconds` evaluates the
 pipeline exactly for per-layer times, and :func:`prefix_length` finds the smallest prefix whose
-forward is not slowed by loading. Both reduce to Eq. 1 and Eq. 2 for uniform layers
-(:func:`uniform_prefix`). Pure functions: no clock, no I/O.
+forward is not slowed by loading. For uniform layers they agree with Eq. 1 and Eq. 2 whenever at
+least one layer is resident; with none, the first layer's load cannot hide behind anything, so the
+exact time is ``max(T_load + L·T_comp, L·T_load + T_comp)`` and the shortest prefix is
+``max(1, ⌈Eq. 2⌉)`` (:func:`uniform_prefix` is Eq. 2 as printed). Pure functions: no clock, no I/O.
 """
 
 from __future__ import annotations
