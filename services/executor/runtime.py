@@ -67,6 +67,7 @@ class ModelLoad:
     tier: str = ""  # "" (already resident), "host" (the box's host tier) or "disk"
     disk_bytes: int = 0
     frac: float = 0.0
+    stall_s: float = 0.0  # of ``seconds``: waited inside execute for layers still loading
 
 
 class _HostStaging:
@@ -171,17 +172,20 @@ class ModelCache:
         held = self.acquire(fn, model)
         return held.components, self.release(held)
 
-    def release(self, held: Acquired, stall_s: float = 0.0) -> ModelLoad:
-        """After the run: the load as it went (the layers' copies waited for), the model unpinned
-        and the cache trimmed to its budget. Raises NodeError when a layer could not be loaded."""
+    def release(self, held: Acquired) -> ModelLoad:
+        """After the run: the load as it went (the layers' copies waited for; execute's waits for
+        them counted as loading), the model unpinned and the cache trimmed to its budget. Raises
+        NodeError when a layer could not be loaded."""
         report = held.report
+        vm = self.weights.models.get(held.key)
+        stall_s = vm.stall_s if vm is not None and held.job is not None else 0.0
         if held.job is not None:
             try:
                 self.weights.end(held.key, held.job, report)
             except LayerLoadError as e:
                 self._forget(held.key)
                 raise NodeError(str(e), retryable=True) from e
-        return ModelLoad(report.seconds + stall_s, report.tier, report.disk_bytes, report.frac)
+        return ModelLoad(report.seconds + stall_s, report.tier, report.disk_bytes, report.frac, stall_s)
 
     def _load(self, key: ModelKey) -> dict[str, Any]:
         inst = self.fn(key.fn)
@@ -416,14 +420,12 @@ class NodeRunner:
             fetches = _Fetches(self, node)
             run.callback(fetches.close)
             held = self.models.acquire(d.fn, d.model)  # missing layers copy in while it runs
-            vm = self.models.weights.models.get(held.key)
             try:
                 try:
                     inputs, deferred = self._bind_inputs(d, declared, blobs or {}, fetches)
                     outs, exec_s = self._execute(fn, held.components, inputs, fetches)
                 finally:
-                    stall_s = vm.stall_s if vm is not None else 0.0
-                    load = self.models.release(held, stall_s)  # unpinned: evictable again
+                    load = self.models.release(held)  # unpinned: evictable again
             except NodeError:
                 raise
             except LayerLoadError as e:
@@ -432,7 +434,7 @@ class NodeRunner:
                 raise NodeError(f"{d.fn} ran out of memory: {e}", retryable=True) from e
             except Exception as e:  # noqa: BLE001 - a ModelFn bug fails the node, not the executor
                 raise NodeError(f"{d.fn}.execute raised {type(e).__name__}: {e}") from e
-            exec_s -= stall_s  # waiting for weights is loading, not compute
+            exec_s -= load.stall_s  # waiting for weights is loading, not compute
             if not isinstance(outs, dict):
                 raise NodeError(f"{d.fn}.execute returned {type(outs).__name__}, not a dict of outputs")
             for dfr, meta in deferred:  # callback inputs execute never asked for: done with too

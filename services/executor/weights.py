@@ -300,6 +300,10 @@ class LoadJob:
         if self.layers:
             self._thread.start()
 
+    def thread_join(self) -> None:
+        if self.layers:
+            self._thread.join()
+
     def wait(self) -> None:
         if self.layers:
             self._thread.join()
@@ -371,6 +375,7 @@ class WeightCache:
         self.arena = arena
         self.kind = kind
         self.keep_override = keep
+        self.pipelined = True  # False: a load completes before the model runs (no overlap)
         self.models: dict[Hashable, VirtualModel] = {}
         self.profiles: dict[tuple[Hashable, str], dict[str, list[float]]] = {}
         self._lock = threading.RLock()
@@ -432,6 +437,8 @@ class WeightCache:
             vm.comp_s = [0.0] * len(vm.slots)
         job = LoadJob(self, vm, missing)
         job.start()
+        if not self.pipelined:  # every layer first, then the forward (a baseline for benchmarks)
+            job.thread_join()
         report.seconds = time.perf_counter() - t0
         return job, report
 
@@ -461,12 +468,23 @@ class WeightCache:
                     self._apply_eviction(ev)
 
     def _profile(self, vm: VirtualModel, job: LoadJob) -> None:
+        """Keep the first load's per-layer times and set the model's Lₑ′ from them. A load's time to
+        its first byte is paid by whichever layer loads first, so it is split off: the layers load
+        at the bandwidth the others achieved, plus a ``startup`` latency once per load."""
         loads = [job.load_s.get(i, 0.0) for i in range(len(vm.slots))]
+        sizes = vm.sizes()
         prof = self.profiles.setdefault((vm.key, self.kind), {})
         prof[job.tier] = loads
         prof["comp"] = list(vm.comp_s)
+        rest_bytes, rest_s = sum(sizes[1:]), sum(loads[1:])
+        startup = 0.0
+        if rest_bytes and rest_s > 0 and loads:
+            per_byte = rest_s / rest_bytes
+            startup = max(0.0, loads[0] - sizes[0] * per_byte)
+            loads = [b * per_byte for b in sizes]
+        prof["startup"] = [startup]
         if self.keep_override is None:
-            keep = prefix_length(loads, vm.comp_s)
+            keep = prefix_length(loads, vm.comp_s, startup)
             with self._lock:
                 self.policy.set_keep(vm.key, keep)
             log.info("%s: %d layers, keeps %d first (Le' from %s loads)", vm.key, len(loads), keep, job.tier)

@@ -59,7 +59,8 @@ def stack(broker_urls, catalog_models, tmp_path_factory):
         api_keys=f"{KEY}=cat:admin",
         nats_url=nats_url,
         redis_url=redis_url,
-        extra_env={"T2I_EXECUTOR_DEVICE_BUDGET_MB": str(BUDGET_MB)},
+        # No weights in the arena either: every layer beyond the budget is evicted, not parked.
+        extra_env={"T2I_EXECUTOR_DEVICE_BUDGET_MB": str(BUDGET_MB), "T2I_EXECUTOR_ARENA_WEIGHTS": "0"},
     )
     s.start()
     try:

@@ -205,3 +205,29 @@ def test_simulated_executors_make_the_same_cache_decisions_as_a_real_one(root: P
         }
         assert sim.cached() == want, (i, name)
     assert real.weights.evictions > 0
+
+
+# -- GPU -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_on_cuda_layers_reload_on_a_side_stream_and_the_image_keeps_its_bits(
+    root: Path, loader: Loader
+) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device (none on this machine)")
+    from libs.models.flux_workflows import tiny_flux
+    from libs.workflow.local import LocalRunner
+
+    cache = ModelCache(root, "cuda", loader)
+    runner = LocalRunner(root, models=cache, device="cuda")
+    params = {"prompt": "a lighthouse", "seed": 5, "num_inference_steps": 3, "max_sequence_length": 32}
+    reference = runner.run(tiny_flux(), params)["image"]  # every layer loaded, then resident
+    vm = cache.weights.models[TRANSFORMER]
+    assert all(s.storage is None or s.storage.is_cuda for s in vm.slots)
+    for resident in (0, len(vm.slots) // 2):
+        for key in list(cache.weights.models):
+            cache.trim(key.fn, key.model, resident)
+        image = runner.run(tiny_flux(), params)["image"]
+        assert torch.equal(image, reference), resident
+        assert any(s.event is not None for s in vm.slots)  # copies ran on the side stream, with events

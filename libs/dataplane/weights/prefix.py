@@ -27,18 +27,22 @@ from collections.abc import Sequence
 EPSILON = 1e-9  # relative slack when comparing a pipelined forward with the compute alone
 
 
-def pipelined_seconds(load: Sequence[float], comp: Sequence[float], resident: int) -> float:
+def pipelined_seconds(
+    load: Sequence[float], comp: Sequence[float], resident: int, startup: float = 0.0
+) -> float:
     """One forward with layers ``[0, resident)`` on the device and the others loading in order from
     time 0, each layer starting once the previous one finished and its own weights landed.
 
-    ``load[i]``/``comp[i]`` are layer ``i``'s load and compute seconds. Layer ``i`` (not resident)
-    lands at ``R_i = Σ load[resident..i]``; it starts at ``S_i = max(S_{i-1} + comp[i-1], R_i)``.
-    Returns the end of the last layer (``Σ comp`` when loading is hidden)."""
+    ``load[i]``/``comp[i]`` are layer ``i``'s load and compute seconds; ``startup`` is a load's
+    latency before its first byte lands (opening files, the first chunk), paid once by whatever
+    layer loads first. Layer ``i`` (not resident) lands at ``R_i = startup + Σ load[resident..i]``;
+    it starts at ``S_i = max(S_{i-1} + comp[i-1], R_i)``. Returns the end of the last layer
+    (``Σ comp`` when loading is hidden)."""
     if len(load) != len(comp):
         raise ValueError(f"load has {len(load)} layers, comp has {len(comp)}")
     if not 0 <= resident <= len(load):
         raise ValueError(f"resident must be in [0, {len(load)}], got {resident}")
-    landed = 0.0
+    landed = startup if resident < len(load) else 0.0
     end = 0.0
     for i, (ld, c) in enumerate(zip(load, comp, strict=True)):
         if i >= resident:
@@ -53,9 +57,10 @@ def sequential_seconds(load: Sequence[float], comp: Sequence[float], resident: i
     return sum(load[resident:]) + sum(comp)
 
 
-def prefix_length(load: Sequence[float], comp: Sequence[float]) -> int:
+def prefix_length(load: Sequence[float], comp: Sequence[float], startup: float = 0.0) -> int:
     """Lₑ′ for non-uniform layers: the fewest first layers to keep resident so that loading the rest
-    in order, while the model computes, does not delay the forward (Eq. 2, generalised).
+    in order, while the model computes, does not delay the forward (Eq. 2, generalised; with
+    ``startup``, each load's latency to its first byte).
 
     The stall only shrinks as the prefix grows, so a binary search over ``[0, L]`` finds it."""
     total = sum(comp)
@@ -63,7 +68,7 @@ def prefix_length(load: Sequence[float], comp: Sequence[float]) -> int:
     lo, hi = 0, len(load)
     while lo < hi:
         mid = (lo + hi) // 2
-        if pipelined_seconds(load, comp, mid) <= total + slack:
+        if pipelined_seconds(load, comp, mid, startup) <= total + slack:
             hi = mid
         else:
             lo = mid + 1
