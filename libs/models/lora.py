@@ -47,8 +47,18 @@ class LoraSwitch:
         self.loader = loader
         self.max_adapters = max_adapters
         self._loaded: OrderedDict[str, None] = OrderedDict()
-        # (base parameter, requires_grad as the model came): see the module docstring
-        self._base_flags = [(p, p.requires_grad) for p in model.parameters()] if match_requires_grad else None
+        # (module, parameter name, requires_grad as the model came): see the module docstring. By
+        # name, not by object: an executor's weight cache rebinds parameters to new tensors.
+        self._base_flags = (
+            [
+                (mod, name, p.requires_grad)
+                for mod in model.modules()
+                for name, p in mod._parameters.items()
+                if p is not None
+            ]
+            if match_requires_grad
+            else None
+        )
 
     def use(self, path: str | None, scale: float = 1.0) -> None:
         """Activate the adapter at ``path`` with ``scale``; no path: the base model alone."""
@@ -57,8 +67,8 @@ class LoraSwitch:
         elif self._loaded:
             self.model.disable_lora()
         if self._base_flags is not None:
-            for param, fresh in self._base_flags:
-                param.requires_grad_(False if path else fresh)
+            for mod, name, fresh in self._base_flags:
+                mod._parameters[name].requires_grad_(False if path else fresh)
 
     def _activate(self, path: str, scale: float) -> None:
         name = adapter_name(path)
