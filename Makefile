@@ -40,6 +40,7 @@ lint: install
 bench: install brokers
 	$(BIN)/python bench/overhead.py
 	$(BIN)/python bench/fairness.py
+	$(BIN)/python bench/prefix.py
 
 compose-check: install
 	$(BIN)/docker-compose -f deploy/compose.yaml config --quiet

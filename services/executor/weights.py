@@ -3,7 +3,8 @@ reloaded layer by layer, with reloads pipelined behind the first layers' compute
 
 The paper (ServerlessT2I, arXiv 2607.26566, §5.3, Fig. 9-left) decouples a model's logical layers
 from the memory holding their weights. Here each model a ModelFn loads through
-:func:`~libs.models.common.load_component` gets a :class:`VirtualModel`: one :class:`LayerSlot` per
+:func:`~libs.models.common.load_component` gets a :class:`~services.executor.layers.VirtualModel`
+(its Layer Lookup Table, :mod:`services.executor.layers`): one ``LayerSlot`` per
 layer of its converted checkpoint (a block of a ``ModuleList`` or another top-level module, in
 execution order), naming the tensors of the layer, the module attributes they are bound to, and
 where their bytes live:
@@ -27,235 +28,20 @@ the simulated executors; this module applies it to memory.
 from __future__ import annotations
 
 import logging
-import math
 import mmap
 import threading
 import time
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from libs.dataplane.checkpoint import Index
 from libs.dataplane.errors import DataPlaneError
-from libs.dataplane.loader.layout import DEVICE_ALIGN
 from libs.dataplane.weights import ARENA, DEVICE, CachePolicy, Eviction, prefix_length
-from libs.models.common import loaded_checkpoint
+from services.executor.layers import PAGE, LayerLoadError, LayerSlot, VirtualModel, drop_source
 
 log = logging.getLogger(__name__)
-
-PAGE = 4096
-
-
-class LayerLoadError(RuntimeError):
-    """A layer's weights could not be loaded (the node fails; the executor goes on)."""
-
-
-@dataclass
-class _Tensor:
-    """One parameter or buffer of a layer: where it goes in the layer's buffer and whom it binds."""
-
-    owner: torch.nn.Module
-    attr: str
-    parameter: bool
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    flat: int  # offset in the checkpoint's flat host buffer
-    nbytes: int
-    at: int = 0  # offset in the layer's buffer
-    aliases: list[tuple[torch.nn.Module, str]] = field(default_factory=list)  # tied names
-
-
-class LayerSlot:
-    """One row of the Layer Lookup Table."""
-
-    def __init__(self, component: int, name: str, module: torch.nn.Module | None) -> None:
-        self.component = component
-        self.name = name
-        self.module = module  # the layer's module (None: a tensor held directly by a parent)
-        self.tensors: list[_Tensor] = []
-        self.start = 0  # flat range of the layer in its checkpoint
-        self.end = 0
-        self.base = 0  # flat offset the layer's buffer starts at (page-aligned on the CPU)
-        self.nbytes = 0  # size of the layer's buffer
-        self.where = "none"
-        self.storage: torch.Tensor | None = None
-        self.arena_offset: int | None = None
-        self.ready = threading.Event()
-        self.filled = False
-        self.event: Any = None  # CUDA event recorded after the copy (None on the CPU)
-
-
-class _Component:
-    def __init__(self, module: torch.nn.Module, path: Path, index: Index, first: int) -> None:
-        self.module = module
-        self.path = path  # the converted checkpoint
-        self.index = index
-        self.first = first  # its first slot in the model's table
-
-
-def _placeholder(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    fill = math.nan if dtype.is_floating_point else 0
-    return torch.full((), fill, dtype=dtype, device=device).expand(shape)
-
-
-class VirtualModel:
-    """The Layer Lookup Table of one model key: the layers of all its components, in order."""
-
-    def __init__(self, key: Hashable, components: dict[str, Any], device: torch.device) -> None:
-        self.key = key
-        self.device = device
-        self.components: list[_Component] = []
-        self.slots: list[LayerSlot] = []
-        self.sources: dict[int, Any] = {}  # component -> LoadedCheckpoint to copy from (this load)
-        self.loader: Any = None  # reloads evicted layers (tagged with the model's key)
-        self.stall_s = 0.0  # waiting in pre-hooks for weights, this run
-        self.profiling = False
-        self.comp_s: list[float] = []
-        self._started: dict[int, float] = {}
-        self._hooks: list[Any] = []
-        seen: set[int] = set()
-        for value in components.values():
-            for item in value if isinstance(value, list | tuple) else (value,):
-                loaded = loaded_checkpoint(item) if isinstance(item, torch.nn.Module) else None
-                if loaded is None or id(item) in seen:
-                    continue
-                seen.add(id(item))
-                self._add_component(item, loaded)
-        self.comp_s = [0.0] * len(self.slots)
-
-    # -- the table ---------------------------------------------------------------------------------
-    def _add_component(self, module: torch.nn.Module, loaded: Any) -> None:
-        index: Index = loaded.index
-        c = len(self.components)
-        comp = _Component(module, loaded.path, index, len(self.slots))
-        self.components.append(comp)
-        self.sources[c] = loaded
-        by_layer: dict[str, LayerSlot] = {}
-        for layer in index.layers:
-            try:
-                sub = module.get_submodule(layer.name)
-            except AttributeError:
-                sub = None  # a tensor held directly by a module passed through (scale_shift_table)
-            slot = LayerSlot(c, layer.name, sub)
-            slot.start, slot.end = layer.start, layer.end
-            by_layer[layer.name] = slot
-            self.slots.append(slot)
-        bases = index.partition_bases()
-        named: dict[str, _Tensor] = {}
-        for e in index.tensors:
-            path, _, attr = e.name.rpartition(".")
-            owner = module.get_submodule(path)
-            if e.alias_of is not None:
-                named[e.alias_of].aliases.append((owner, attr))
-                continue
-            t = _Tensor(
-                owner, attr, e.kind == "parameter", getattr(torch, e.dtype), tuple(e.shape),
-                bases[e.partition] + e.offset, e.nbytes,
-            )  # fmt: skip
-            named[e.name] = t
-            by_layer[e.layer].tensors.append(t)
-        cuda = self.device.type == "cuda"
-        for slot in by_layer.values():
-            if not slot.tensors:
-                continue
-            if cuda:  # as .to("cuda") would allocate them
-                at = 0
-                for t in slot.tensors:
-                    at = -(-at // DEVICE_ALIGN) * DEVICE_ALIGN
-                    t.at = at
-                    at += t.nbytes
-                slot.nbytes = -(-at // DEVICE_ALIGN) * DEVICE_ALIGN
-            else:  # the same address residues mod 4 KiB as the host buffer: the same bits
-                slot.base = slot.start // PAGE * PAGE
-                for t in slot.tensors:
-                    t.at = t.flat - slot.base
-                slot.nbytes = -(-(slot.end - slot.base) // PAGE) * PAGE
-        self._install_hooks(comp, [s for s in self.slots[comp.first :]])
-
-    def sizes(self) -> list[int]:
-        return [s.nbytes for s in self.slots]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(s.nbytes for s in self.slots)
-
-    # -- hooks -----------------------------------------------------------------------------------
-    def _install_hooks(self, comp: _Component, slots: list[LayerSlot]) -> None:
-        loose = [s for s in slots if s.module is None and s.tensors]  # waited for before any layer
-        first_module = True
-        for i, slot in enumerate(slots, start=comp.first):
-            if slot.module is None:
-                continue
-            waits = [*loose, slot] if first_module else [slot]
-            first_module = False
-            self._hooks.append(slot.module.register_forward_pre_hook(self._pre_hook(i, waits)))
-            self._hooks.append(slot.module.register_forward_hook(self._post_hook(i)))
-        if loose:
-            self._hooks.append(comp.module.register_forward_pre_hook(self._pre_hook(-1, loose)))
-
-    def _pre_hook(self, i: int, waits: list[LayerSlot]) -> Callable[..., None]:
-        def hook(module: torch.nn.Module, args: Any) -> None:
-            for slot in waits:
-                if not slot.ready.is_set():
-                    t0 = time.perf_counter()
-                    slot.ready.wait()
-                    self.stall_s += time.perf_counter() - t0
-                if not slot.filled and slot.tensors:
-                    raise LayerLoadError(f"layer {slot.name} of {self.key} was not loaded")
-                if slot.event is not None:
-                    torch.cuda.current_stream(self.device).wait_event(slot.event)
-            if self.profiling and i >= 0:
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
-                self._started[i] = time.perf_counter()
-
-        return hook
-
-    def _post_hook(self, i: int) -> Callable[..., None]:
-        def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
-            if self.profiling and i in self._started:
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
-                self.comp_s[i] += time.perf_counter() - self._started.pop(i)
-
-        return hook
-
-    # -- memory ----------------------------------------------------------------------------------
-    def bind(self, i: int, storage: torch.Tensor) -> None:
-        """Point layer ``i``'s parameters and buffers at their bytes in ``storage`` (ties too)."""
-        for t in self.slots[i].tensors:
-            view = storage[t.at : t.at + t.nbytes].view(t.dtype).view(t.shape)
-            table = t.owner._parameters if t.parameter else t.owner._buffers
-            old = table[t.attr]
-            value: torch.Tensor = view
-            if t.parameter:
-                value = torch.nn.Parameter(view, requires_grad=bool(old is not None and old.requires_grad))
-            table[t.attr] = value
-            for owner, attr in t.aliases:
-                (owner._parameters if t.parameter else owner._buffers)[attr] = value
-
-    def unbind(self, i: int) -> None:
-        """Layer ``i``'s tensors point at placeholders: its bytes can be freed."""
-        for t in self.slots[i].tensors:
-            table = t.owner._parameters if t.parameter else t.owner._buffers
-            old = table[t.attr]
-            value = _placeholder(t.shape, t.dtype, self.device)
-            if t.parameter:
-                value = torch.nn.Parameter(value, requires_grad=bool(old is not None and old.requires_grad))
-            table[t.attr] = value
-            for owner, attr in t.aliases:
-                (owner._parameters if t.parameter else owner._buffers)[attr] = value
-
-    def close(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
-        for loaded in self.sources.values():
-            _drop_source(loaded)
-        self.sources.clear()
 
 
 def _flat(loaded: Any) -> torch.Tensor:
@@ -264,12 +50,6 @@ def _flat(loaded: Any) -> torch.Tensor:
         if t.numel():
             return torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
     return torch.empty(0, dtype=torch.uint8)
-
-
-def _drop_source(loaded: Any) -> None:
-    loaded.close()
-    loaded.tensors = {}  # the views were the last references to its buffer
-    loaded.host_block = None
 
 
 @dataclass
@@ -349,7 +129,7 @@ class LoadJob:
             for i in self.layers:
                 vm.slots[i].ready.set()
             for src in opened:
-                _drop_source(src)
+                drop_source(src)
 
 
 class WeightCache:
@@ -370,6 +150,7 @@ class WeightCache:
     ) -> None:
         self.device = torch.device(device)
         self.unlimited = budget <= 0
+        self.configured = budget  # the operator's bound (the GPU's free memory may lower it)
         self.policy = CachePolicy(budget if budget > 0 else 1 << 62, arena_budget if arena is not None else 0)
         self.loader = loader
         self.arena = arena
@@ -541,10 +322,7 @@ class WeightCache:
         free, _total = torch.cuda.mem_get_info(self.device)
         headroom = 1 << 30  # activations of the next forward
         room = self.policy.used[DEVICE] + max(0, free - headroom)
-        if self.unlimited:
-            self.policy.budgets[DEVICE] = room
-        else:
-            self.policy.budgets[DEVICE] = min(self.policy.budgets[DEVICE], room)
+        self.policy.budgets[DEVICE] = room if self.unlimited else min(self.configured, room)
 
     def _take_arena(self, slot: LayerSlot) -> bool:
         """A block of the arena for ``slot`` (False when communication holds the space)."""
@@ -589,6 +367,7 @@ class WeightCache:
             n = slot.end - slot.base
             dst[:n].copy_(flat[slot.base : slot.end])
         else:
+            dst.record_stream(stream)  # written there: the allocator must not reuse it before
             with torch.cuda.stream(stream):
                 for t in slot.tensors:
                     dst[t.at : t.at + t.nbytes].copy_(flat[t.flat : t.flat + t.nbytes], non_blocking=True)
