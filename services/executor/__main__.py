@@ -100,6 +100,7 @@ async def build_real(stack: AsyncExitStack, cfg: ExecutorConfig) -> ExecutorGrou
         images=await ensure_images_bucket(nc.jetstream(), subjects),
         fns=catalog.names(),
         heartbeat_s=cfg.heartbeat_s,
+        node_timeout_s=cfg.node_timeout_s,
     )
     ready = (
         f"executor ready in {time.perf_counter() - t0:.1f}s: {cfg.device}, {cfg.threads} threads, "
@@ -138,6 +139,7 @@ async def build_simulated(stack: AsyncExitStack, cfg: ExecutorConfig) -> Executo
                 images=images,
                 fns=catalog.names(),
                 heartbeat_s=cfg.heartbeat_s,
+                node_timeout_s=cfg.node_timeout_s,
             )
         )
     ready = (

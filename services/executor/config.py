@@ -15,6 +15,9 @@ class ExecutorConfig(msgspec.Struct, forbid_unknown_fields=True):
     host: str = "127.0.0.1"  # address the tcp transport binds and advertises
     heartbeat_s: float = 1.0
     alloc_timeout_s: float = 30.0  # how long a full arena makes an output wait before failing
+    # A node running longer fails (retryable, so it runs elsewhere); a real executor then exits for
+    # its supervisor to restart it (its worker thread cannot be stopped). 0: no limit.
+    node_timeout_s: float = 900.0
     # Loading (docs/loading.md): checkpoints are converted on first use into the loading format and
     # read with O_DIRECT by ``load_threads`` threads in ``load_chunk_mb`` chunks into the box's host
     # tier, one copy per box shared by every executor with the same ``host_tier`` name (default:

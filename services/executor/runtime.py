@@ -368,6 +368,8 @@ class NodeRunner:
     """Runs dispatched nodes for real, one at a time, in one worker thread (``run``), so the
     executor's asyncio loop stays free for heartbeats and releases."""
 
+    cancels_cleanly = False  # execute runs in a thread: a node over its time limit cannot be stopped
+
     def __init__(
         self,
         store: TensorStore,

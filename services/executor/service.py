@@ -51,6 +51,7 @@ class Runner(Protocol):
     """Runs one node at a time: for real (a worker thread) or simulated (sleeping)."""
 
     callbacks: CallbackBox
+    cancels_cleanly: bool  # whether cancelling ``run`` stops the node (else a time limit restarts us)
 
     async def run(self, d: Dispatch, blobs: dict[str, bytes] | None = None) -> NodeOutcome: ...
 
@@ -94,8 +95,14 @@ class ExecutorService:
         images: ObjectStore,
         fns: list[str],
         heartbeat_s: float = 1.0,
+        node_timeout_s: float = 0.0,
     ) -> None:
         self.id = executor_id
+        # A node running longer than this fails (retryable: the scheduler runs it elsewhere). A
+        # runner that cannot stop it (a thread inside ``execute``) makes the executor exit for its
+        # supervisor to restart it; 0: no limit.
+        self.node_timeout_s = node_timeout_s
+        self._wedged = asyncio.Event()
         self.kind = kind
         self.nc = nc
         self.subjects = subjects
@@ -121,7 +128,14 @@ class ExecutorService:
         await self.heartbeat()
 
     async def run(self) -> None:
-        await self.heartbeat_loop()
+        await run_all(self.heartbeat_loop(), self._until_wedged())
+
+    async def _until_wedged(self) -> None:
+        await self._wedged.wait()
+        raise RuntimeError(
+            f"a node overran the {self.node_timeout_s:g} s limit and cannot be stopped in its thread: "
+            "exiting so the supervisor restarts this executor"
+        )
 
     async def heartbeat_loop(self) -> None:
         while True:
@@ -204,7 +218,7 @@ class ExecutorService:
                     log.debug("released %d tensors of %s", freed, rid)
 
     async def _accept(self, d: Dispatch, msg: Msg) -> None:
-        if self.current is not None or self._closed:
+        if self.current is not None or self._closed or self._wedged.is_set():
             await msg.respond(encode(Ack(ok=False, error=f"busy with {self.current}", seq=self.seq)))
             return
         self.current = d.ref
@@ -217,8 +231,20 @@ class ExecutorService:
         node = d.ref
         self._attempts[d.request_id].add(node.attempt_ref)
         try:
-            outcome = await self.runner.run(d, await self._fetch_images(d))
+            limit = self.node_timeout_s if self.node_timeout_s > 0 else None
+            outcome = await asyncio.wait_for(self.runner.run(d, await self._fetch_images(d)), limit)
             sinks = await self._upload(d, outcome)
+        except TimeoutError:
+            log.error("node %s ran over the executor's %g s limit", node, self.node_timeout_s)
+            if not getattr(self.runner, "cancels_cleanly", False):
+                self._wedged.set()  # its thread still runs execute: nothing else may run here
+            await self._finish(
+                NodeFailed(
+                    self.id, d.request_id, d.attempt, d.node_id,
+                    f"node ran over the executor's time limit ({self.node_timeout_s:g} s)", True,
+                )
+            )  # fmt: skip
+            return
         except NodeError as e:
             log.warning("node %s failed: %s", node, e)
             await self._finish(

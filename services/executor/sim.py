@@ -149,6 +149,8 @@ class SimRunner:
     prefixes), and is charged the load its compute cannot hide: ``pipelined_seconds(load, comp,
     resident) - Σ comp``, 0 when every layer was resident."""
 
+    cancels_cleanly = True  # a simulated node is an asyncio sleep: a time limit just cancels it
+
     def __init__(self, profile: Profile, store: SimStore, time_scale: float = 1.0) -> None:
         if time_scale <= 0:
             raise ValueError("time_scale must be > 0")

@@ -1,0 +1,142 @@
+"""A node over the executor's time limit fails (retryable, so the scheduler runs it elsewhere): a
+simulated executor cancels it and goes on serving; a runner whose node cannot be stopped (a thread
+inside ``execute``) makes the executor end its run loop, so the process exits and its supervisor
+restarts it."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+
+from libs.common.jetstream import ensure_images_bucket
+from libs.common.nats_conn import connect
+from libs.protocol.messages import (
+    Dispatch,
+    NodeComplete,
+    NodeFailed,
+    OutputPlan,
+    ack_decoder,
+    encode,
+    sched_decoder,
+)
+from libs.protocol.subjects import Subjects
+from libs.sim.profile import Figure, ModelProfile, Profile
+from services.executor.service import ExecutorService
+from services.executor.sim import SimRunner, SimStore
+
+LIMIT_S = 0.3
+
+
+def fig(v: float) -> Figure:
+    return Figure(v, "P", "test")
+
+
+PROFILE = Profile(
+    name="limits",
+    description="one model that runs for ever, one instant",
+    device="sim",
+    gpu_memory_gb=fig(10),
+    models={
+        "slow": ModelProfile(fig(1), fig(0.0), fig(3600.0), output_bytes=4096),
+        "m": ModelProfile(fig(1), fig(0.0), fig(0.0), output_bytes=4096),
+    },
+)
+
+
+class StuckRunner(SimRunner):
+    """A runner whose node sits in a thread nobody can stop, as a hung ``execute`` does."""
+
+    cancels_cleanly = False
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.release = threading.Event()
+
+    async def run(self, d, blobs=None):
+        await asyncio.to_thread(self.release.wait, 30)  # cancelling the await leaves the thread
+        return await super().run(d, blobs)
+
+
+async def until(condition, within: float = 10.0) -> None:
+    deadline = time.monotonic() + within
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+async def service_with(common, runner_cls) -> AsyncIterator[tuple]:
+    nc = await connect(common.nats_url, "test-executor-limits")
+    subjects = Subjects(common.namespace)
+    events: list = []
+
+    async def collect(msg) -> None:
+        events.append(sched_decoder.decode(msg.data))
+
+    sub = await nc.subscribe(subjects.sched_events, cb=collect)
+    store = SimStore("sim-limit", 1 << 16)
+    runner = runner_cls(PROFILE, store)
+    service = ExecutorService(
+        executor_id="sim-limit",
+        kind="sim",
+        nc=nc,
+        subjects=subjects,
+        store=store,
+        runner=runner,
+        images=await ensure_images_bucket(nc.jetstream(), subjects),
+        fns=["toy.fn"],
+        heartbeat_s=60,
+        node_timeout_s=LIMIT_S,
+    )
+    await service.start()
+    try:
+        yield service, runner, nc, subjects, events
+    finally:
+        if isinstance(runner, StuckRunner):
+            runner.release.set()
+        await service.stop()
+        await sub.unsubscribe()
+        await nc.close()
+
+
+async def dispatch(nc, subjects, node: str, model: str) -> bool:
+    d = Dispatch("r", 1, node, "t", "toy.fn", model, {}, [OutputPlan("out", 1)])
+    reply = await nc.request(subjects.executor("sim-limit"), encode(d), timeout=10)
+    return ack_decoder.decode(reply.data).ok
+
+
+@pytest.fixture
+async def simulated(common):
+    async for x in service_with(common, SimRunner):
+        yield x
+
+
+@pytest.fixture
+async def stuck(common):
+    async for x in service_with(common, StuckRunner):
+        yield x
+
+
+async def test_a_simulated_node_over_the_limit_fails_retryably_and_the_executor_serves_on(simulated) -> None:
+    service, _, nc, subjects, events = simulated
+    assert await dispatch(nc, subjects, "n1", "slow")
+    await until(lambda: any(isinstance(e, NodeFailed) for e in events))
+    failed = next(e for e in events if isinstance(e, NodeFailed))
+    assert failed.node_id == "n1" and failed.retryable and "time limit" in failed.error
+
+    assert await dispatch(nc, subjects, "n2", "m")  # cancelled cleanly: free again
+    await until(lambda: any(isinstance(e, NodeComplete) and e.node_id == "n2" for e in events))
+
+
+async def test_a_node_that_cannot_be_stopped_ends_the_executor_so_it_is_restarted(stuck) -> None:
+    service, _, nc, subjects, events = stuck
+    run = asyncio.create_task(service.run())
+    assert await dispatch(nc, subjects, "n1", "m")
+    await until(lambda: any(isinstance(e, NodeFailed) for e in events))
+    assert not await dispatch(nc, subjects, "n2", "m"), "a wedged executor accepted more work"
+    with pytest.raises(RuntimeError, match="restarts this executor"):
+        await asyncio.wait_for(run, 10)
+    assert not any(isinstance(e, NodeComplete) for e in events)
