@@ -101,6 +101,7 @@ async def build_real(stack: AsyncExitStack, cfg: ExecutorConfig) -> ExecutorGrou
         fns=catalog.names(),
         heartbeat_s=cfg.heartbeat_s,
         node_timeout_s=cfg.node_timeout_s,
+        attempt_ttl_s=cfg.attempt_ttl_s,
     )
     ready = (
         f"executor ready in {time.perf_counter() - t0:.1f}s: {cfg.device}, {cfg.threads} threads, "
@@ -140,6 +141,7 @@ async def build_simulated(stack: AsyncExitStack, cfg: ExecutorConfig) -> Executo
                 fns=catalog.names(),
                 heartbeat_s=cfg.heartbeat_s,
                 node_timeout_s=cfg.node_timeout_s,
+                attempt_ttl_s=cfg.attempt_ttl_s,
             )
         )
     ready = (

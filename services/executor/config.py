@@ -18,6 +18,9 @@ class ExecutorConfig(msgspec.Struct, forbid_unknown_fields=True):
     # A node running longer fails (retryable, so it runs elsewhere); a real executor then exits for
     # its supervisor to restart it (its worker thread cannot be stopped). 0: no limit.
     node_timeout_s: float = 900.0
+    # Tensors of an attempt that had no node here for this long are freed even if the scheduler's
+    # end-of-request release never arrived (a lost message must not leak arena space). 0: never.
+    attempt_ttl_s: float = 3600.0
     # Loading (docs/loading.md): checkpoints are converted on first use into the loading format and
     # read with O_DIRECT by ``load_threads`` threads in ``load_chunk_mb`` chunks into the box's host
     # tier, one copy per box shared by every executor with the same ``host_tier`` name (default:

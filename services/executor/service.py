@@ -96,6 +96,7 @@ class ExecutorService:
         fns: list[str],
         heartbeat_s: float = 1.0,
         node_timeout_s: float = 0.0,
+        attempt_ttl_s: float = 0.0,
     ) -> None:
         self.id = executor_id
         # A node running longer than this fails (retryable: the scheduler runs it elsewhere). A
@@ -103,6 +104,11 @@ class ExecutorService:
         # supervisor to restart it; 0: no limit.
         self.node_timeout_s = node_timeout_s
         self._wedged = asyncio.Event()
+        # An attempt's tensors are freed by the scheduler's end-of-request release; if that message
+        # is lost, they are freed once the attempt has had no node here for this long (longer than
+        # any request may live). 0: never.
+        self.attempt_ttl_s = attempt_ttl_s
+        self._attempt_seen: dict[AttemptRef, float] = {}
         self.kind = kind
         self.nc = nc
         self.subjects = subjects
@@ -141,6 +147,7 @@ class ExecutorService:
         while True:
             await asyncio.sleep(self.heartbeat_s)
             try:
+                self.sweep_attempts()
                 await self.heartbeat()
             except Exception as e:  # noqa: BLE001 - a missed beat is retried next tick
                 log.warning("heartbeat failed: %s", e)
@@ -207,15 +214,42 @@ class ExecutorService:
                 self.runner.callbacks.deliver(m.ref.callback(m.input), m.meta)
             case ReleaseRequest(request_id=rid, attempt=attempt):
                 attempts = list(self._attempts.get(rid, ())) if attempt < 0 else [AttemptRef(rid, attempt)]
-                for a in attempts:
-                    self.runner.callbacks.cancel(a)
-                freed = sum(self.store.release_group(a.encode()) for a in attempts)
-                for a in attempts:
-                    self._attempts[rid].discard(a)
-                if not self._attempts.get(rid):
-                    self._attempts.pop(rid, None)
+                freed = self._release_attempts(attempts)
                 if freed:
                     log.debug("released %d tensors of %s", freed, rid)
+
+    def _release_attempts(self, attempts: list[AttemptRef]) -> int:
+        """Free what ``attempts`` hold here: their tensors and their callback waits."""
+        for a in attempts:
+            self.runner.callbacks.cancel(a)
+        freed = sum(self.store.release_group(a.encode()) for a in attempts)
+        for a in attempts:
+            self._attempt_seen.pop(a, None)
+            held = self._attempts.get(a.request_id)
+            if held is not None:
+                held.discard(a)
+                if not held:
+                    del self._attempts[a.request_id]
+        return freed
+
+    def sweep_attempts(self, now: float | None = None) -> int:
+        """Free the attempts that had no node here for ``attempt_ttl_s`` (their end-of-request
+        release was lost); returns the tensors freed. Called with every heartbeat."""
+        if self.attempt_ttl_s <= 0:
+            return 0
+        now = time.monotonic() if now is None else now
+        running = self.current.attempt_ref if self.current is not None else None
+        stale = [
+            a for a, seen in self._attempt_seen.items() if now - seen > self.attempt_ttl_s and a != running
+        ]
+        if not stale:
+            return 0
+        freed = self._release_attempts(stale)
+        log.warning(
+            "freed %d tensors of %d attempts idle for over %g s (their release never came): %s",
+            freed, len(stale), self.attempt_ttl_s, [a.encode() for a in stale[:5]],
+        )  # fmt: skip
+        return freed
 
     async def _accept(self, d: Dispatch, msg: Msg) -> None:
         if self.current is not None or self._closed or self._wedged.is_set():
@@ -230,6 +264,7 @@ class ExecutorService:
     async def _run(self, d: Dispatch) -> None:
         node = d.ref
         self._attempts[d.request_id].add(node.attempt_ref)
+        self._attempt_seen[node.attempt_ref] = time.monotonic()
         try:
             limit = self.node_timeout_s if self.node_timeout_s > 0 else None
             outcome = await asyncio.wait_for(self.runner.run(d, await self._fetch_images(d)), limit)

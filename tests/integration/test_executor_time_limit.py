@@ -140,3 +140,17 @@ async def test_a_node_that_cannot_be_stopped_ends_the_executor_so_it_is_restarte
     with pytest.raises(RuntimeError, match="restarts this executor"):
         await asyncio.wait_for(run, 10)
     assert not any(isinstance(e, NodeComplete) for e in events)
+
+
+async def test_an_attempt_whose_release_never_came_is_freed_after_its_ttl(simulated) -> None:
+    service, runner, nc, subjects, events = simulated
+    service.attempt_ttl_s = 60.0
+    assert await dispatch(nc, subjects, "n1", "m")
+    await until(lambda: any(isinstance(e, NodeComplete) for e in events))
+    store = service.store
+    assert store.stats()["tensors"] == 1  # its output waits for a consumer (or the release)
+
+    assert service.sweep_attempts(time.monotonic() + 30) == 0  # not idle long enough yet
+    assert store.stats()["tensors"] == 1
+    assert service.sweep_attempts(time.monotonic() + 61) == 1  # the release was lost: freed
+    assert store.stats()["tensors"] == 0 and store.stats()["used"] == 0
