@@ -97,7 +97,11 @@ async def run_config(
             "T2I_SCHEDULER_SLACK_S": str(slack),
             "T2I_SCHEDULER_VIEW_S": "0.05",
         },
-        gateway_env={"T2I_GATEWAY_MAX_INFLIGHT": "100000", "T2I_GATEWAY_REQUEST_TIMEOUT_S": "3600"},
+        gateway_env={
+            "T2I_GATEWAY_MAX_INFLIGHT": "100000",
+            "T2I_GATEWAY_TENANT_INFLIGHT": "100000",
+            "T2I_GATEWAY_REQUEST_TIMEOUT_S": "3600",
+        },
     )
     run = Run(policy, slack)
     await asyncio.to_thread(stack.start)

@@ -61,6 +61,58 @@ class TransportError(DataPlaneError, RetryableError):
         super().__init__(f"transport to {address!r} failed: {reason}")
 
 
+class PeerBusyError(TransportError):
+    """A TCP peer turned the connection away: as many connections as it accepts are handshaking
+    or serving reads (idle pooled ones are closed to make room first). Retryable; the client
+    already retried a few times with a short backoff. The peer is alive: not evidence it is gone.
+    """
+
+    def __init__(self, address: str) -> None:
+        super().__init__(address, "peer refused the connection: it serves too many already")
+
+
+class StaleTensorError(DataPlaneError):
+    """The metadata names a tensor its producer no longer holds: the block was freed (the tensor
+    was released, discarded or its request cancelled) and may already hold another tensor, maybe
+    another tenant's. Raised by the reader *after* it copied the bytes (docs/dataplane.md), so a
+    block freed and reused during the read is caught too; the bytes read are never handed out.
+
+    Not retryable: reading the same metadata again cannot give the tensor back.
+    """
+
+    def __init__(self, tensor_id: str, address: str, reason: str) -> None:
+        self.tensor_id = tensor_id
+        self.address = address
+        self.reason = reason
+        super().__init__(f"tensor {tensor_id!r} at {address!r} is stale: {reason}")
+
+
+class TagTableFullError(DataPlaneError, RetryableError):
+    """Every integrity-tag slot of an arena is held by a live tensor (at most 65536 per arena).
+
+    Retryable: slots come back when consumers release tensors.
+    """
+
+    def __init__(self, arena: str, slots: int) -> None:
+        self.arena = arena
+        self.slots = slots
+        super().__init__(f"arena {arena!r} holds {slots} tensors, as many as its tag table has slots")
+
+
+class AuthenticationError(DataPlaneError):
+    """The TCP peer and we do not share the data-plane token (``T2I_DATAPLANE_TOKEN``): it rejected
+    ours, we have none and it wants one, or it could not prove it holds ours.
+
+    Not retryable, and deliberately not a TransportError (which callers read as "the peer may be
+    gone, retry or re-run the producer"): the configuration, not the network, is wrong.
+    """
+
+    def __init__(self, address: str, reason: str) -> None:
+        self.address = address
+        self.reason = reason
+        super().__init__(f"transport to {address!r}: authentication failed: {reason}")
+
+
 class CheckpointError(DataPlaneError):
     """A converted checkpoint (``libs.dataplane.checkpoint``) cannot be used as it is."""
 

@@ -16,6 +16,11 @@ Lifetimes the caller must respect:
   frees its block once the lease and every tensor made from it are garbage (host arenas).
 * Close the transport (arena) only after dropping every tensor that views it; ``close()`` does
   not wait, it leaves the mapping to the surviving tensors and removes the segment name.
+
+Integrity: every tensor put is stamped in the transport's tag table (``transport/tags.py``) with
+a fresh generation, recorded in its metadata; every free zeroes the stamp *before* the block is
+freed. A consumer holding metadata of a tensor that is gone gets StaleTensorError, never the
+bytes of whatever now occupies the block (docs/dataplane.md).
 """
 
 from __future__ import annotations
@@ -29,8 +34,9 @@ from typing import Any
 
 import torch
 
-from libs.dataplane.errors import TensorNotFoundError
+from libs.dataplane.errors import StaleTensorError, TensorNotFoundError
 from libs.dataplane.transport.base import Transport
+from libs.dataplane.transport.tags import tensor_key
 from libs.protocol.errors import BadTensorMetaError
 from libs.protocol.tensor_meta import DTYPE_SIZES, TensorMeta, check_meta
 
@@ -163,7 +169,8 @@ class TensorStore:
 
         Any layout or device is accepted (copied contiguously onto the arena's device). Waits up
         to ``alloc_timeout`` for space (ArenaFullError after that). ValueError if ``tensor_id``
-        is already held or ``consumers < 1``. Returns the metadata to publish.
+        is already held or ``consumers < 1``. Returns the metadata to publish, stamped with the
+        tensor's generation and tag slot once its bytes are in place.
         """
         if consumers < 1:
             raise ValueError(f"consumers must be >= 1, got {consumers}")
@@ -182,6 +189,7 @@ class TensorStore:
                 if nbytes:
                     dst, _ = _block_tensor(self.transport, offset, nbytes, tensor.dtype, shape)
                     dst.copy_(tensor.detach())
+                slot, generation = self.transport.tags.stamp(tensor_key(tensor_id, offset, nbytes))
             except BaseException:
                 self.transport.arena.free(offset)
                 raise
@@ -195,6 +203,8 @@ class TensorStore:
                 dtype=name,
                 shape=shape,
                 device=self.transport.arena.device,
+                generation=generation,
+                tag_slot=slot,
             )
             with self._lock:
                 self._entries[tensor_id] = _Entry(meta, offset, consumers, group)
@@ -220,7 +230,7 @@ class TensorStore:
             if entry.refcount > 0:
                 return False
             self._forget(tensor_id, entry)
-        self.transport.arena.free(entry.offset)
+        self._free(entry)
         return True
 
     def discard(self, tensor_id: str) -> bool:
@@ -234,7 +244,7 @@ class TensorStore:
             if entry is None:
                 return False
             self._forget(tensor_id, entry)
-        self.transport.arena.free(entry.offset)
+        self._free(entry)
         return True
 
     def release_group(self, group: str) -> int:
@@ -246,8 +256,14 @@ class TensorStore:
             ids = self._groups.pop(group, set())
             entries = [self._entries.pop(tid) for tid in ids if tid in self._entries]
         for entry in entries:
-            self.transport.arena.free(entry.offset)
+            self._free(entry)
         return len(entries)
+
+    def _free(self, entry: _Entry) -> None:
+        # The stamp goes first: from then on every reader of the tensor fails, so the block may
+        # be reused under a reader still copying it without that reader ever using the bytes.
+        self.transport.tags.clear(entry.meta.tag_slot)
+        self.transport.arena.free(entry.offset)
 
     def _forget(self, tensor_id: str, entry: _Entry) -> None:
         del self._entries[tensor_id]
@@ -263,9 +279,12 @@ class TensorStore:
         """Access the tensor ``meta`` describes.
 
         Ours (``meta.executor == executor_id``): a zero-copy view of our arena; raises
-        TensorNotFoundError if we no longer hold it. A peer's: allocate in our arena (waiting up
+        TensorNotFoundError if we no longer hold it, StaleTensorError if we hold another
+        generation of it (released and put again). A peer's: allocate in our arena (waiting up
         to ``alloc_timeout``), pull the bytes with the transport, and view the local copy.
-        Raises BadTensorMetaError for malformed metadata, TransportError if the pull fails.
+        Raises BadTensorMetaError for malformed metadata, TransportError if the pull fails,
+        StaleTensorError if the producer no longer holds this tensor (its block freed, maybe
+        reused), even if that happened during the pull.
         """
         check_meta(meta)
         try:
@@ -275,7 +294,15 @@ class TensorStore:
         if meta.executor == self.executor_id:
             with self._lock:
                 entry = self._entries.get(meta.tensor_id)
-            if entry is None or entry.offset != meta.offset or entry.meta.nbytes != meta.nbytes:
+            if entry is None:
+                raise TensorNotFoundError(meta.tensor_id)
+            if meta.generation and meta.generation != entry.meta.generation:
+                raise StaleTensorError(
+                    meta.tensor_id,
+                    meta.address,
+                    f"we hold generation {entry.meta.generation} of it, the metadata names {meta.generation}",
+                )
+            if entry.offset != meta.offset or entry.meta.nbytes != meta.nbytes:
                 raise TensorNotFoundError(meta.tensor_id)
             view, _ = _block_tensor(self.transport, meta.offset, meta.nbytes, dtype, meta.shape)
             return Lease(meta, view, local=True)

@@ -1,8 +1,11 @@
 """``python -m libs.launcher`` (``make run``): the whole platform on this machine.
 
-Starts NATS and Redis where none answers, builds the tiny-flux models if missing, starts every
-service (two executors), registers the built-in workflow through the HTTP API, generates a sample
-image to ``out/sample.png``, prints a curl command that makes another, and serves until Ctrl-C.
+With credentials (the default; docs/security.md): a private nats-server with one user per role and
+Redis ACL users per role, each process given only its own. ``--insecure``: the NATS at
+``T2I_NATS_URL`` as it is, no users. Starts Redis (and, ``--insecure``, NATS) where none answers,
+builds the tiny-flux models if missing, starts every service (two executors), registers the
+built-in workflow through the HTTP API, generates a sample image to ``out/sample.png``, prints a
+curl command that makes another, and serves until Ctrl-C.
 """
 
 from __future__ import annotations
@@ -29,12 +32,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="out", help="where the sample image goes")
     ap.add_argument("--var", default="var", help="logs and local broker data")
     ap.add_argument("--no-wait", action="store_true", help="stop after the sample image")
+    ap.add_argument(
+        "--insecure",
+        action="store_true",
+        help="no credentials: use the NATS at T2I_NATS_URL and Redis without users (docs/security.md)",
+    )
     args = ap.parse_args(argv)
 
     nats_url = os.environ.get("T2I_NATS_URL", "nats://127.0.0.1:4222")
     redis_url = os.environ.get("T2I_REDIS_URL", "redis://127.0.0.1:6379/0")
     var = Path(args.var)
-    started = brokers.ensure_brokers(nats_url, redis_url, var)
+    started = brokers.ensure_brokers(nats_url, redis_url, var, nats=args.insecure)
 
     from libs.models.build import main as build_models  # imports torch: after the brokers check
 
@@ -50,12 +58,18 @@ def main(argv: list[str] | None = None) -> int:
         api_keys=f"{DEV_KEY}=local:admin",
         nats_url=nats_url,
         redis_url=redis_url,
+        secure=not args.insecure,
     )
     print(
         f"starting gateway, registry, scheduler and {args.executors} executors (logs in {stack.log_dir}) ..."
     )
     try:
         stack.start()
+        if stack.secure:
+            print(
+                f"with credentials: a private nats-server at {stack.bus_url} and Redis ACL users, "
+                "one per role (--insecure: none)"
+            )
         register_catalog(stack)
         t0 = time.monotonic()
         status, body = stack.http(

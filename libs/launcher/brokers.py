@@ -69,22 +69,23 @@ def wait_until(
     raise BrokerError(f"{what} did not come up within {timeout:.0f}s\n{tail}")
 
 
-def start_nats(port: int, workdir: Path) -> subprocess.Popen:
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_nats(port: int, workdir: Path, config: Path | None = None) -> subprocess.Popen:
+    """A nats-server with JetStream on 127.0.0.1:``port``; with ``config`` (which then names the
+    address and the store itself, e.g. ``creds.Credentials.nats_config``) instead of flags."""
     workdir.mkdir(parents=True, exist_ok=True)
     log = workdir / "nats-server.log"
+    if config is not None:
+        args = ["-c", str(config)]
+    else:
+        args = ["-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(workdir / "jetstream")]
     proc = subprocess.Popen(
-        [
-            nats_server_binary(),
-            "-js",
-            "-a",
-            "127.0.0.1",
-            "-p",
-            str(port),
-            "-sd",
-            str(workdir / "jetstream"),
-            "-l",
-            str(log),
-        ],
+        [nats_server_binary(), *args, "-l", str(log)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.STDOUT,
         start_new_session=True,
@@ -126,16 +127,19 @@ def start_redis(port: int, workdir: Path) -> subprocess.Popen:
     return proc
 
 
-def ensure_brokers(nats_url: str, redis_url: str, workdir: Path, log=print) -> list[subprocess.Popen]:
-    """Start NATS/Redis where nothing answers; return the processes started (to stop later)."""
+def ensure_brokers(
+    nats_url: str, redis_url: str, workdir: Path, log=print, nats: bool = True
+) -> list[subprocess.Popen]:
+    """Start NATS/Redis where nothing answers; return the processes started (to stop later).
+    ``nats=False``: Redis only (a secured stack runs its own nats-server)."""
     started = []
     host, port = host_port(nats_url, 4222)
-    if answers(host, port):
+    if nats and answers(host, port):
         log(f"using NATS at {host}:{port}")
-    elif host in ("127.0.0.1", "localhost"):
+    elif nats and host in ("127.0.0.1", "localhost"):
         log(f"starting nats-server with JetStream on 127.0.0.1:{port}")
         started.append(start_nats(port, workdir / "nats"))
-    else:
+    elif nats:
         raise BrokerError(f"NATS at {nats_url} does not answer")
     host, port = host_port(redis_url, 6379)
     if redis_answers(host, port):

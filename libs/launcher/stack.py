@@ -4,12 +4,20 @@
 services.<name>`` with its own environment, logs to files, waits until the gateway is ready and
 every executor has said so, and stops everything it started. ``make run`` and the end-to-end tests
 use it; a deployment uses ``deploy/compose.yaml`` instead.
+
+``secure=True`` (``make run``'s default) runs the platform with credentials (docs/security.md): a
+private nats-server on a free port whose users are the roles (``creds.Credentials``), its streams
+created by the admin user, and Redis ACL users per role created on ``redis_url`` (connected as its
+user: an admin) and deleted on stop. Each process gets only its own role's credentials.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,7 +27,11 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from libs.common.nats_conn import split_credentials
+from libs.common.settings import redact
 from libs.dataplane.hosttier import HostTier
+from libs.launcher import brokers
+from libs.launcher.creds import ADMIN, Credentials, bootstrap
 
 
 class StackError(RuntimeError):
@@ -44,7 +56,13 @@ class Stack:
     scheduler_env: dict[str, str] = field(default_factory=dict)
     gateway_env: dict[str, str] = field(default_factory=dict)
     extra_env: dict[str, str] = field(default_factory=dict)
+    secure: bool = False  # private nats-server and Redis ACL users, one per role (see above)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    credentials: Credentials | None = None  # secure: every user's credentials (tests use them)
+    bus_url: str = ""  # secure: the private nats-server's URL (no credentials in it)
+    # The executors' shared secret for the tcp data plane (secure stacks: the credentials' own).
+    dataplane_token: str = field(default_factory=lambda: secrets.token_hex(32))
+    _nats: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
@@ -54,8 +72,9 @@ class Stack:
         env = {k: v for k, v in os.environ.items() if not k.startswith("T2I_")}
         env.update(
             T2I_NAMESPACE=self.namespace,
-            T2I_NATS_URL=self.nats_url,
-            T2I_REDIS_URL=self.redis_url,
+            T2I_NATS_URL=self.bus_url or self.nats_url,
+            # Secure: no process inherits the admin's Redis credentials, only its role's (spawn).
+            T2I_REDIS_URL=split_credentials(self.redis_url)[0] if self.secure else self.redis_url,
             PYTHONUNBUFFERED="1",
             **self.extra_env,
             **more,
@@ -63,6 +82,9 @@ class Stack:
         return env
 
     def spawn(self, name: str, module: str, **env: str) -> subprocess.Popen:
+        if self.credentials is not None:
+            role = module.rsplit(".", 1)[-1]
+            env = {**self.credentials.env(name if role == "executor" else role, role), **env}
         self.log_dir.mkdir(parents=True, exist_ok=True)
         out = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
         proc = subprocess.Popen(
@@ -85,6 +107,9 @@ class Stack:
             T2I_EXECUTOR_ARENA_MB=str(self.executor_arena_mb),
             T2I_EXECUTOR_MODEL_ROOT=str(self.model_root),
             T2I_EXECUTOR_HEARTBEAT_S="0.5",
+            T2I_DATAPLANE_TOKEN=self.credentials.dataplane_token
+            if self.credentials
+            else self.dataplane_token,
         )
 
     def start_scheduler(self) -> subprocess.Popen:
@@ -93,6 +118,8 @@ class Stack:
 
     def start(self, timeout: float = 120.0) -> Stack:
         try:
+            if self.secure:
+                self.start_secure_brokers()
             self.spawn("registry", "services.registry")
             self.start_scheduler()
             self.spawn(
@@ -120,6 +147,51 @@ class Stack:
             self.stop()
             raise
         return self
+
+    def executor_ids(self) -> dict[str, list[str]]:
+        """Executor process name -> the executor ids it runs (as ``start`` names them)."""
+        ids = {f"executor-{i}": [f"{self.namespace}-executor-{i}"] for i in range(self.executors)}
+        if self.sim_executors:
+            base = f"{self.namespace}-sim"
+            n = self.sim_executors
+            ids["sim-executors"] = [base] if n == 1 else [f"{base}-{i}" for i in range(n)]
+        return ids
+
+    def start_secure_brokers(self) -> None:
+        """The private nats-server with the roles' users and the streams, and the Redis users."""
+        creds = Credentials.generate(self.namespace, self.executor_ids())
+        self.credentials = creds  # from here on stop() cleans up
+        workdir = self.log_dir / "nats"
+        workdir.mkdir(parents=True, exist_ok=True)
+        workdir.chmod(0o700)
+        port = brokers.free_port()
+        conf = workdir / "nats.conf"
+        fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(creds.nats_config("127.0.0.1", port, workdir / "jetstream"))
+        self._nats = brokers.start_nats(port, workdir, config=conf)
+        self.bus_url = f"nats://127.0.0.1:{port}"
+        asyncio.run(bootstrap(creds.nats_url(self.bus_url, ADMIN), self.namespace, wait_s=10))
+        try:
+            creds.create_redis_users(self.redis_url)
+        except Exception as e:  # noqa: BLE001 - e.g. the URL's user may not run ACL SETUSER
+            raise StackError(
+                f"creating the Redis users on {redact(self.redis_url)} failed ({e}); its user needs "
+                "the ACL command (the default user has it), or run without credentials"
+            ) from e
+
+    def stop_secure_brokers(self) -> None:
+        if self.credentials is not None:
+            try:
+                self.credentials.delete_redis_users(self.redis_url)
+            except Exception as e:  # noqa: BLE001 - Redis gone: its users went with it
+                print(f"could not delete the Redis users of {self.namespace}: {e}", file=sys.stderr)
+        if self._nats is not None:
+            brokers.stop([self._nats])
+            self._nats = None
+        workdir = self.log_dir / "nats"
+        (workdir / "nats.conf").unlink(missing_ok=True)  # the passwords
+        shutil.rmtree(workdir / "jetstream", ignore_errors=True)
 
     def wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -188,3 +260,5 @@ class Stack:
                 proc.wait()
         # The executors' shared host tier belongs to this stack's namespace: nobody else uses it.
         HostTier.destroy(f"{self.namespace}-host")
+        if self.secure:
+            self.stop_secure_brokers()

@@ -18,6 +18,9 @@ from libs.protocol.tensor_meta import TensorMeta
 Scalar = int | float | str | bool | None
 # A fraction in [0, 1], checked where a message is decoded (NaN and infinities never pass).
 UnitFloat = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+# A measured duration: finite, >= 0, and below ~11.6 days (no node runs that long; the bound also
+# keeps a forged or broken value from charging a tenant absurd vTime). Checked where decoded.
+Seconds = Annotated[float, msgspec.Meta(ge=0.0, le=1e6)]
 
 
 class _Msg(msgspec.Struct, tag_field="type", omit_defaults=True):
@@ -70,8 +73,8 @@ class PendingInput(msgspec.Struct, tag="pending", tag_field="kind", omit_default
 
 
 class LoraInput(msgspec.Struct, tag="lora", tag_field="kind", omit_defaults=True):
-    """A ``lora`` parameter: a registered adapter's safetensors path (relative to the model root,
-    or absolute)."""
+    """A ``lora`` parameter: a registered adapter's safetensors path, relative to the model root
+    (executors refuse one that resolves outside it)."""
 
     path: str
 
@@ -104,7 +107,8 @@ class Dispatch(_Msg, tag="dispatch"):
 
 
 class ReleaseTensors(_Msg, tag="release_tensors"):
-    """A consumer has read these tensors (one release per consuming edge)."""
+    """A consumer has read these tensors (one release per consuming edge). The one message an
+    executor sends another: on the producer's ``{ns}.exec.{id}.release``, never on ``{ns}.exec.{id}``."""
 
     tensor_ids: list[str]
 
@@ -134,27 +138,55 @@ class CallbackReady(_Msg, tag="callback_ready"):
         return NodeRef(self.request_id, self.attempt, self.node_id)
 
 
+class CancelNode(_Msg, tag="cancel_node"):
+    """Stop running this node (it overran its time limit, or its request ended): the executor
+    answers ``NodeFailed(retryable=True, "cancelled by the scheduler")``; one not running the node
+    ignores the message.
+
+    A runner whose node sits in a thread (a real ``execute``) cannot stop it: with ``restart_ok``
+    (a node over its time limit) the executor then exits after answering, for its supervisor to
+    restart it; without (a request that ended) it lets the node finish rather than lose its loaded
+    models to a restart.
+    """
+
+    request_id: str
+    attempt: int
+    node_id: str
+    restart_ok: bool = False
+
+    @property
+    def ref(self) -> NodeRef:
+        return NodeRef(self.request_id, self.attempt, self.node_id)
+
+
 class Ack(_Msg, tag="ack"):
     ok: bool = True
     error: str = ""
     seq: int = 0  # the executor's heartbeat sequence number when it accepted the dispatch
 
 
-ExecutorMsg = Dispatch | ReleaseTensors | ReleaseRequest | CallbackReady
+# What the scheduler sends on ``{ns}.exec.{id}`` (and ``{ns}.exec.all``): executors may not publish
+# there. Peers' ``ReleaseTensors`` have their own subject and decoder (``PeerMsg``).
+ExecutorMsg = Dispatch | ReleaseRequest | CallbackReady | CancelNode
+PeerMsg = ReleaseTensors
 
 
 # -- executor -> scheduler (pub/sub events) ------------------------------------------------------
 class NodeTiming(msgspec.Struct, frozen=True, omit_defaults=True):
-    """Seconds measured on the executor (GPU time on a GPU box: CUDA events)."""
+    """Seconds measured on the executor (GPU time on a GPU box: CUDA events).
 
-    load_s: float = 0.0  # loading the model (0 when it was already resident)
-    fetch_s: float = 0.0  # pulling inputs through the data plane
-    exec_s: float = 0.0  # the ModelFn's execute()
-    store_s: float = 0.0  # writing outputs into the arena / uploading sinks
+    Every field is validated when a completion is decoded (finite, >= 0): a completion that breaks
+    that is dropped whole by the scheduler, and its node runs again (``docs/scheduling.md``).
+    """
+
+    load_s: Seconds = 0.0  # loading the model (0 when it was already resident)
+    fetch_s: Seconds = 0.0  # pulling inputs through the data plane
+    exec_s: Seconds = 0.0  # the ModelFn's execute()
+    store_s: Seconds = 0.0  # writing outputs into the arena / uploading sinks
     # Where a load read its weights from: "" (no load), "host" (every checkpoint was in the box's
     # host tier) or "disk" (at least one was read from disk).
     load_tier: Literal["", "host", "disk"] = ""
-    load_bytes: int = 0  # checkpoint bytes the load read from disk
+    load_bytes: Annotated[int, msgspec.Meta(ge=0)] = 0  # checkpoint bytes the load read from disk
     # The fraction of the model's bytes this run loaded onto the device: 1.0 for a load from nothing,
     # 0.0 when it was fully resident, in between when a prefix of its layers was resident (layer-
     # granular caching, paper §5.1). 0.0 with ``load_s > 0`` is an executor that predates the field:
@@ -184,7 +216,7 @@ class NodeComplete(_Msg, tag="node_complete"):
     outputs: dict[str, TensorMeta | list[TensorMeta]] = {}
     sinks: dict[str, ImageRef] = {}
     timing: NodeTiming = NodeTiming()
-    bytes_in: int = 0  # bytes pulled from other executors
+    bytes_in: Annotated[int, msgspec.Meta(ge=0)] = 0  # bytes pulled from other executors
 
     @property
     def ref(self) -> NodeRef:
@@ -271,7 +303,7 @@ class ListWorkflows(_Msg, tag="list"):
 
 class LoraInfo(msgspec.Struct, omit_defaults=True):
     """A registered LoRA adapter: requests name it; executors load ``path`` (relative to their model
-    root, or absolute) onto the base model."""
+    root, never outside it) onto the base model."""
 
     name: str
     path: str
@@ -320,6 +352,7 @@ class RegistryReply(_Msg, tag="registry_reply"):
 # Decoders, built once (msgspec's asyncio-kv example).
 intake_decoder = msgspec.json.Decoder(IntakeMsg)
 executor_decoder = msgspec.json.Decoder(ExecutorMsg)
+peer_decoder = msgspec.json.Decoder(PeerMsg)
 sched_decoder = msgspec.json.Decoder(SchedulerEvent)
 result_decoder = msgspec.json.Decoder(ResultMsg)
 registry_request_decoder = msgspec.json.Decoder(RegistryRequest)

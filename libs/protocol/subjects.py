@@ -8,9 +8,10 @@ server never see each other's traffic.
 | ``{ns}.intake`` | JetStream work queue ``{NS}_INTAKE`` | ``ImageRequest`` gateway -> scheduler |
 | ``{ns}.registry.{register,get,list}`` | request/reply, queue group ``registry`` | ``RegisterWorkflow``, ``GetWorkflow``, ``ListWorkflows`` -> ``RegistryReply`` |
 | ``{ns}.registry.lora`` | request/reply, queue group ``registry`` | ``RegisterLora``, ``GetLora``, ``ListLoras`` -> ``RegistryReply`` |
-| ``{ns}.exec.{executor_id}`` | request/reply | ``Dispatch`` -> ``Ack``; pub/sub: ``ReleaseTensors``, ``ReleaseRequest``, ``CallbackReady`` |
+| ``{ns}.exec.{executor_id}`` | request/reply | ``Dispatch`` -> ``Ack``; pub/sub: ``ReleaseRequest``, ``CallbackReady``, ``CancelNode`` (all from the scheduler only) |
+| ``{ns}.exec.{executor_id}.release`` | pub/sub | ``ReleaseTensors`` consumer -> producer (the only executor -> executor message) |
 | ``{ns}.exec.all`` | pub/sub | ``ReleaseRequest`` broadcast (request failed or restarted) |
-| ``{ns}.sched.events`` | pub/sub | ``NodeComplete``, ``NodeFailed``, ``ExecutorHeartbeat``, ``ExecutorGoodbye`` |
+| ``{ns}.sched.events.{executor_id}`` | pub/sub | ``NodeComplete``, ``NodeFailed``, ``ExecutorHeartbeat``, ``ExecutorGoodbye`` of that executor; the scheduler subscribes to ``{ns}.sched.events.*`` and drops an event whose ``executor`` is not the subject's last token |
 | ``{ns}.results.{request_id}`` | pub/sub | ``RequestResult`` scheduler -> gateway |
 | ``{ns}-images`` | JetStream object store | PNGs (images exceed NATS' 1 MiB payload limit) |
 """
@@ -48,13 +49,28 @@ class Subjects:
     def executor(self, executor_id: str) -> str:
         return f"{self.ns}.exec.{executor_id}"
 
+    def executor_release(self, executor_id: str) -> str:
+        """Where consumers send a producer their ``ReleaseTensors`` (``*``: every executor's)."""
+        return f"{self.ns}.exec.{executor_id}.release"
+
     @property
     def executors_all(self) -> str:
         return f"{self.ns}.exec.all"
 
+    def executor_events(self, executor_id: str) -> str:
+        """Where one executor publishes its events (``*``: every executor's, what the scheduler
+        subscribes to). Its last token names the executor: the scheduler checks events against it."""
+        return f"{self.ns}.sched.events.{executor_id}"
+
     @property
     def sched_events(self) -> str:
-        return f"{self.ns}.sched.events"
+        """Every executor's events: the scheduler's subscription."""
+        return self.executor_events("*")
+
+    def events_sender(self, subject: str) -> str:
+        """The executor an events subject belongs to ("" when ``subject`` is not one)."""
+        prefix = f"{self.ns}.sched.events."
+        return subject[len(prefix) :] if subject.startswith(prefix) else ""
 
     def result(self, request_id: str) -> str:
         return f"{self.ns}.results.{request_id}"

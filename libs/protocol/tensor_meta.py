@@ -43,6 +43,12 @@ class TensorMeta(msgspec.Struct, frozen=True):
     A wire message: unknown fields are tolerated and new fields get defaults.
     ``address`` is transport-specific: the shared-memory segment name (``shm``), ``"host:port"``
     (``tcp``) or the PE rank (``nvshmem``). ``offset`` is relative to the producer's arena.
+
+    ``generation`` and ``tag_slot`` identify this tensor's incarnation of the block: the producer's
+    store stamps ``(generation, hash of tensor_id, offset, nbytes)`` into slot ``tag_slot`` of its
+    arena's tag table and zeroes it before the block is freed; readers check it after copying and
+    raise StaleTensorError on a mismatch (docs/dataplane.md). ``generation`` 0 means unchecked
+    (metadata from before the check, or bytes placed in an arena by hand).
     """
 
     tensor_id: str
@@ -54,6 +60,8 @@ class TensorMeta(msgspec.Struct, frozen=True):
     dtype: str
     shape: list[int]
     device: str = "cpu"
+    generation: int = 0
+    tag_slot: int = 0
 
 
 def expected_nbytes(dtype: str, shape: list[int]) -> int:
@@ -70,7 +78,8 @@ def check_meta(meta: TensorMeta) -> TensorMeta:
     """Validate metadata that arrived off the bus; return it unchanged or raise BadTensorMetaError.
 
     Checks: non-empty ids and address, a known transport and dtype, non-negative offset, sizes and
-    dims, and ``nbytes == prod(shape) * itemsize`` (so a consumer never reads past the tensor).
+    dims, ``nbytes == prod(shape) * itemsize`` (so a consumer never reads past the tensor), and a
+    generation and tag slot that fit the wire's u64 and u32.
     """
     for name in ("tensor_id", "executor", "address"):
         value = getattr(meta, name)
@@ -96,6 +105,10 @@ def check_meta(meta: TensorMeta) -> TensorMeta:
         )
     if not isinstance(meta.device, str) or not meta.device:
         raise BadTensorMetaError("device", "must be a non-empty string")
+    if not _is_int(meta.generation) or not 0 <= meta.generation < 1 << 64:
+        raise BadTensorMetaError("generation", f"must be an int in [0, 2**64), got {meta.generation!r}")
+    if not _is_int(meta.tag_slot) or not 0 <= meta.tag_slot < 1 << 32:
+        raise BadTensorMetaError("tag_slot", f"must be an int in [0, 2**32), got {meta.tag_slot!r}")
     return meta
 
 

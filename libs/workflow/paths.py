@@ -17,3 +17,16 @@ def resolve_model_path(model: str, root: Path | str) -> str:
         return model
     local = Path(root) / model
     return str(local) if local.exists() else model
+
+
+def resolve_lora_path(path: str, root: Path | str) -> str:
+    """A registered LoRA's path -> the file under the model root. Raises ValueError for a path
+    that is absolute or that resolves (symlinks followed) outside the root: a tenant's LoRA must
+    not name an arbitrary file of the executor's machine."""
+    if not path or os.path.isabs(path) or path.startswith("~"):
+        raise ValueError(f"LoRA path {path!r} must be relative to the model root")
+    base = Path(root).resolve()
+    full = (base / path).resolve()
+    if full != base and base not in full.parents:
+        raise ValueError(f"LoRA path {path!r} resolves outside the model root")
+    return str(full)

@@ -59,6 +59,8 @@ async def build_real(stack: AsyncExitStack, cfg: ExecutorConfig) -> ExecutorGrou
         executor_id=executor_id,
         capacity=_pow2_at_least(cfg.arena_mb << 20),
         host=cfg.host,
+        timeout=cfg.dataplane_timeout_s,
+        max_connections=cfg.dataplane_max_connections,
     )
     stack.callback(transport.close)  # last: after the service stopped using the arena
     store = TensorStore(executor_id, transport, alloc_timeout=cfg.alloc_timeout_s)

@@ -13,6 +13,10 @@ class ExecutorConfig(msgspec.Struct, forbid_unknown_fields=True):
     model_root: str = "models"  # where model names in specs are looked up
     transport: str = "shm"  # "shm" (one host) or "tcp" (across hosts/containers)
     host: str = "127.0.0.1"  # address the tcp transport binds and advertises
+    # The tcp transport: every socket operation's time limit and the server's connection cap. Its
+    # shared secret comes from T2I_DATAPLANE_TOKEN or T2I_DATAPLANE_TOKEN_FILE (docs/dataplane.md).
+    dataplane_timeout_s: float = 30.0
+    dataplane_max_connections: int = 64
     heartbeat_s: float = 1.0
     alloc_timeout_s: float = 30.0  # how long a full arena makes an output wait before failing
     # A node running longer fails (retryable, so it runs elsewhere); a real executor then exits for

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from libs.dataplane.errors import DataPlaneError, TransportError
+from libs.dataplane.errors import DataPlaneError, PeerBusyError, TransportError
 from libs.dataplane.store import Lease, TensorStore
 from libs.errors import is_retryable
 from libs.protocol.errors import BadTensorMetaError
@@ -49,7 +49,7 @@ from libs.protocol.messages import (
 from libs.protocol.tensor_meta import TensorMeta
 from libs.workflow import catalog
 from libs.workflow.modelfn import Deferred, ModelFn
-from libs.workflow.paths import resolve_model_path
+from libs.workflow.paths import resolve_lora_path, resolve_model_path
 from services.executor.callbacks import CallbackBox
 from services.executor.outcome import NodeError, NodeOutcome, Png
 from services.executor.weights import LayerLoadError, LoadReport, WeightCache
@@ -332,6 +332,8 @@ class _Fetches:
         t0 = time.perf_counter()
         try:
             lease = runner.store.open(meta)  # validates the metadata first
+        except PeerBusyError as e:  # alive but at its connection cap: try again, do not restart
+            raise NodeError(f"input {meta.tensor_id}: {e}", retryable=True) from e
         except TransportError as e:
             raise NodeError(f"input {meta.tensor_id}: {e}", retryable=True, unreachable=meta.executor) from e
         except (DataPlaneError, BadTensorMetaError) as e:
@@ -471,7 +473,10 @@ class NodeRunner:
                 case ConstInput(value=value):
                     inputs[name] = value
                 case LoraInput(path=path):
-                    inputs[name] = resolve_model_path(path, self.models.root)
+                    try:
+                        inputs[name] = resolve_lora_path(path, self.models.root)
+                    except ValueError as e:
+                        raise NodeError(f"input {name}: {e}") from None
                 case ImageInput(name=obj):
                     inputs[name] = decode_image(blobs.get(obj), obj)
                 case PendingInput():  # producer still running: wait only when execute asks

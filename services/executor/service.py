@@ -6,6 +6,10 @@ A dispatch is accepted with an ``Ack`` carrying the heartbeat sequence number, s
 can tell a lost completion from a slow one. After a node succeeds the executor uploads workflow
 images to the object store, tells producers it has read their tensors (they free them at the last
 reader, paper §5.2), and publishes ``NodeComplete`` with output metadata and measured times.
+
+Subjects: the scheduler's messages (``Dispatch``, ``CallbackReady``, ``ReleaseRequest``,
+``CancelNode``) come on ``{ns}.exec.{id}`` and ``{ns}.exec.all``; peers' ``ReleaseTensors`` on
+``{ns}.exec.{id}.release`` only; events go out on this executor's own ``{ns}.sched.events.{id}``.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from libs.protocol.ids import AttemptRef, ModelKey, NodeRef
 from libs.protocol.messages import (
     Ack,
     CallbackReady,
+    CancelNode,
     Dispatch,
     ExecutorGoodbye,
     ExecutorHeartbeat,
@@ -39,6 +44,7 @@ from libs.protocol.messages import (
     ReleaseTensors,
     encode,
     executor_decoder,
+    peer_decoder,
 )
 from libs.protocol.subjects import Subjects
 from services.executor.callbacks import CallbackBox
@@ -119,6 +125,11 @@ class ExecutorService:
         self.heartbeat_s = heartbeat_s
         self.seq = 0
         self.current: NodeRef | None = None  # the node being run
+        # The node whose run a CancelNode may still stop (until its outputs are stored), its task,
+        # and the node a CancelNode is stopping (its run answers NodeFailed instead of re-raising).
+        self._cancellable: tuple[NodeRef, asyncio.Task] | None = None
+        self._cancelling: NodeRef | None = None
+        self.cancelled = 0  # nodes stopped by the scheduler's CancelNode
         self.started_at = time.time()
         self.nodes_run = 0
         # request id -> its attempts that ran here (their tensors and callback waits are ours to free)
@@ -130,6 +141,10 @@ class ExecutorService:
     # -- lifecycle ------------------------------------------------------------------------------------
     async def start(self) -> None:
         self._subs.append(await self.nc.subscribe(self.subjects.executor(self.id), cb=self._on_msg))
+        # Peers (consumers of our tensors) may publish here only: never on the subject above.
+        self._subs.append(
+            await self.nc.subscribe(self.subjects.executor_release(self.id), cb=self._on_release)
+        )
         self._subs.append(await self.nc.subscribe(self.subjects.executors_all, cb=self._on_msg))
         await self.heartbeat()
 
@@ -175,7 +190,7 @@ class ExecutorService:
             seq=self.seq,
             host=socket.gethostname(),
         )
-        await self.nc.publish(self.subjects.sched_events, encode(hb))
+        await self.nc.publish(self.subjects.executor_events(self.id), encode(hb))
 
     async def stop(self) -> None:
         if self._closed:
@@ -187,7 +202,7 @@ class ExecutorService:
             except Exception:  # noqa: BLE001 - connection may be gone already
                 pass
         try:
-            await self.nc.publish(self.subjects.sched_events, encode(ExecutorGoodbye(self.id)))
+            await self.nc.publish(self.subjects.executor_events(self.id), encode(ExecutorGoodbye(self.id)))
             await self.nc.flush(timeout=2)
         except Exception:  # noqa: BLE001
             pass
@@ -207,9 +222,8 @@ class ExecutorService:
         match m:
             case Dispatch():
                 await self._accept(m, msg)
-            case ReleaseTensors(tensor_ids=ids):
-                for tid in ids:
-                    self.store.release(tid)
+            case CancelNode():
+                self._cancel(m)
             case CallbackReady():
                 self.runner.callbacks.deliver(m.ref.callback(m.input), m.meta)
             case ReleaseRequest(request_id=rid, attempt=attempt):
@@ -217,6 +231,31 @@ class ExecutorService:
                 freed = self._release_attempts(attempts)
                 if freed:
                     log.debug("released %d tensors of %s", freed, rid)
+
+    async def _on_release(self, msg: Msg) -> None:
+        """A consumer has read tensors of ours: the only message peers may send us."""
+        try:
+            m = peer_decoder.decode(msg.data)
+        except msgspec.DecodeError as e:
+            log.warning("dropped a malformed message on %s: %s", msg.subject, e)
+            return
+        for tid in m.tensor_ids:
+            self.store.release(tid)
+
+    def _cancel(self, m: CancelNode) -> None:
+        """Stop the node the scheduler cancels, if it is the one running here (else: ignored)."""
+        node = m.ref
+        running = self._cancellable
+        if running is None or running[0] != node or running[1].done() or self._cancelling == node:
+            log.debug("ignored a cancel of %s: not running it (running %s)", node, self.current)
+            return
+        clean = getattr(self.runner, "cancels_cleanly", False)
+        if not clean and not m.restart_ok:
+            log.info("not cancelling %s: its thread cannot be stopped, and no restart was asked", node)
+            return
+        log.warning("the scheduler cancels %s%s", node, "" if clean else " (this executor then restarts)")
+        self._cancelling = node
+        running[1].cancel()
 
     def _release_attempts(self, attempts: list[AttemptRef]) -> int:
         """Free what ``attempts`` hold here: their tensors and their callback waits."""
@@ -265,10 +304,23 @@ class ExecutorService:
         node = d.ref
         self._attempts[d.request_id].add(node.attempt_ref)
         self._attempt_seen[node.attempt_ref] = time.monotonic()
+        # The work a CancelNode may stop runs as its own task: cancelling it leaves this one to
+        # answer (and stop() cancelling this one still cancels both).
+        work = asyncio.ensure_future(self._execute(d))
+        self._cancellable = (node, work)
         try:
-            limit = self.node_timeout_s if self.node_timeout_s > 0 else None
-            outcome = await asyncio.wait_for(self.runner.run(d, await self._fetch_images(d)), limit)
-            sinks = await self._upload(d, outcome)
+            outcome, sinks = await work
+        except asyncio.CancelledError:
+            me = asyncio.current_task()
+            if self._cancelling != node or (me is not None and me.cancelling()):
+                raise  # the executor is stopping
+            self.cancelled += 1
+            if not getattr(self.runner, "cancels_cleanly", False):
+                self._wedged.set()  # as for our own time limit: its thread still runs execute
+            await self._finish(
+                NodeFailed(self.id, d.request_id, d.attempt, d.node_id, "cancelled by the scheduler", True)
+            )
+            return
         except TimeoutError:
             log.error("node %s ran over the executor's %g s limit", node, self.node_timeout_s)
             if not getattr(self.runner, "cancels_cleanly", False):
@@ -292,6 +344,9 @@ class ExecutorService:
                 NodeFailed(self.id, d.request_id, d.attempt, d.node_id, f"executor error: {e}", True)
             )
             return
+        finally:
+            if self._cancellable is not None and self._cancellable[1] is work:  # not the next node's
+                self._cancellable, self._cancelling = None, None
         await self._release_inputs(outcome)
         self.nodes_run += 1
         await self._finish(
@@ -306,6 +361,12 @@ class ExecutorService:
                 bytes_in=outcome.bytes_in,
             )
         )
+
+    async def _execute(self, d: Dispatch) -> tuple[NodeOutcome, dict[str, ImageRef]]:
+        """Fetch the node's pictures, run it (within the executor's limit), upload its sinks."""
+        limit = self.node_timeout_s if self.node_timeout_s > 0 else None
+        outcome = await asyncio.wait_for(self.runner.run(d, await self._fetch_images(d)), limit)
+        return outcome, await self._upload(d, outcome)
 
     async def _fetch_images(self, d: Dispatch) -> dict[str, bytes]:
         """Pictures sent with the request (``image`` parameters) come from the images bucket."""
@@ -325,7 +386,7 @@ class ExecutorService:
 
     async def _finish(self, event: NodeComplete | NodeFailed) -> None:
         self.current = None
-        await self.nc.publish(self.subjects.sched_events, encode(event))
+        await self.nc.publish(self.subjects.executor_events(self.id), encode(event))
 
     async def _upload(self, d: Dispatch, outcome: NodeOutcome) -> dict[str, ImageRef]:
         sinks: dict[str, ImageRef] = {}
@@ -347,7 +408,7 @@ class ExecutorService:
             else:
                 remote[meta.executor].append(meta.tensor_id)
         for producer, ids in remote.items():
-            await self.nc.publish(self.subjects.executor(producer), encode(ReleaseTensors(ids)))
+            await self.nc.publish(self.subjects.executor_release(producer), encode(ReleaseTensors(ids)))
 
 
 class ExecutorGroup:

@@ -2,27 +2,29 @@
 
 | route | who | what |
 |---|---|---|
-| ``POST /v1/images/generations`` | tenant | OpenAI-compatible image generation (synchronous) |
+| ``POST /v1/images/generations`` | tenant | OpenAI-compatible image generation (synchronous; ``Idempotency-Key``) |
+| ``GET /v1/requests/{id}`` | the tenant that made it | a generation call's status and result (``images.py``) |
 | ``GET /v1/images/files/{request_id}/{name}`` | the tenant that made it | a generated PNG (``response_format: url``) |
 | ``POST /v1/workflows`` | admin | register a workflow spec (versioned) |
-| ``POST /v1/loras``, ``GET /v1/loras`` | admin / tenant | register (name -> safetensors path) / list LoRAs |
+| ``POST /v1/loras`` | admin | register a LoRA (name -> safetensors path under the model root) |
+| ``GET /v1/loras``, ``GET /v1/loras/{name}`` | tenant | list / look up LoRAs (names and descriptions, never paths) |
 | ``GET /v1/workflows``, ``GET /v1/workflows/{name}`` | tenant | list / look up workflows |
 | ``GET /v1/admin/tenants`` | admin | per-tenant vTime, service, queued/running counts |
 | ``GET /healthz`` | anyone | the process is up |
 | ``GET /readyz`` | anyone | NATS is connected and a registry answers |
 | ``GET /metrics`` | anyone | Prometheus counters |
 
-Every error answers in OpenAI's shape with the offending field in ``param``.
+Every error answers in OpenAI's shape with the offending field in ``param`` and says in
+``x-should-retry`` whether repeating the call could help (``errors.py``); bodies are read strictly
+and within limits (``body.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import logging
-import time
-import uuid
+import re
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -34,28 +36,35 @@ from libs.common.redis_conn import connect_redis
 from libs.common.registry_client import RegistryUnavailable, WorkflowNotFound
 from libs.common.runner import close_quietly
 from libs.common.settings import CommonSettings
-from libs.protocol.ids import image_object
 from libs.protocol.keys import Keys
-from libs.protocol.messages import ImageRef, ImageRequest, LoraInfo, RequestResult
 from libs.protocol.subjects import Subjects
-from libs.workflow.spec import WorkflowSpec, encode_spec
-from services.gateway.auth import ApiKeys, Principal, bearer
+from libs.workflow.spec import encode_spec
+from services.gateway import images, loras
+from services.gateway.admission import Admission
+from services.gateway.auth import ApiKeys, bearer
+from services.gateway.body import BUS_PAYLOAD_LIMIT, json_object, read_json
 from services.gateway.bridge import Bridge
 from services.gateway.config import GatewayConfig
-from services.gateway.errors import ApiError
-from services.gateway.generation import Generation, parse_generation, parse_model
-from services.gateway.inputs import resolve_inputs
+from services.gateway.context import (
+    ADMISSION,
+    BRIDGE,
+    COMMON,
+    CONFIG,
+    DECODE_SLOTS,
+    KEYS,
+    METRICS,
+    PRINCIPAL,
+    RECORDS,
+    TASKS,
+)
+from services.gateway.errors import ApiError, add_retry_header
+from services.gateway.inputs import DECODE_SLOTS as DECODE_SLOT_COUNT
+from services.gateway.records import Records
 
 log = logging.getLogger(__name__)
 
-CONFIG = web.AppKey("config", GatewayConfig)
-COMMON = web.AppKey("common", CommonSettings)
-KEYS = web.AppKey("keys", ApiKeys)
-BRIDGE = web.AppKey("bridge", Bridge)
-METRICS = web.AppKey("metrics", Counter)
-INFLIGHT = web.AppKey("inflight", list)
-PRINCIPAL = web.RequestKey("principal", Principal)
 PUBLIC = {"/healthz", "/readyz", "/metrics"}
+VERSION = re.compile(r"^[0-9]{1,9}$")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -71,7 +80,10 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
     except web.HTTPException as e:
         if e.status < 400:
             raise
-        msg = {404: f"no route {request.method} {request.path}", 405: f"method {request.method} not allowed"}
+        msg = {
+            404: f"no route {request.method} {request.path[:200]}",
+            405: f"method {request.method} not allowed",
+        }
         return ApiError(e.status, msg.get(e.status, e.reason)).response()
     except RegistryUnavailable as e:
         return ApiError(503, f"the workflow registry is unavailable: {e}", code="unavailable").response()
@@ -94,180 +106,25 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
     return await handler(request)
 
 
-async def read_json(request: web.Request) -> object:
-    try:
-        raw = await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        limit = request.app[CONFIG].max_body_mb
-        raise ApiError(413, f"request body too large (limit {limit:g} MiB)", code="too_large") from None
-    if not raw:
-        raise ApiError(400, "the request body is empty; send a JSON object", code="invalid_json")
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
-
-
-async def lookup_workflow(bridge: Bridge, name: str, param: str = "model") -> WorkflowSpec:
-    try:
-        return await bridge.registry.get(name)
-    except WorkflowNotFound:
-        raise ApiError(
-            404, f"{param}: workflow {name!r} not found", param=param, code="model_not_found"
-        ) from None
-
-
-# -- images ----------------------------------------------------------------------------------------------
-async def generate(request: web.Request) -> web.Response:
-    app = request.app
-    cfg, bridge = app[CONFIG], app[BRIDGE]
-    principal: Principal = request[PRINCIPAL]
-    body = await read_json(request)
-    spec = await lookup_workflow(bridge, parse_model(body))
-    gen = parse_generation(body, spec, cfg.max_n)  # type: ignore[arg-type]
-    gen_id = uuid.uuid4().hex[:20]
-    await resolve_inputs(spec, gen.params, body, request.app[BRIDGE], gen_id)  # type: ignore[arg-type]
-    inflight = app[INFLIGHT]
-    if inflight[0] + gen.n > cfg.max_inflight:
-        raise ApiError(
-            429, f"too many images in progress (limit {cfg.max_inflight}); retry shortly", code="busy"
-        )
-    inflight[0] += gen.n
-    try:
-        return await _run_generation(request, spec, gen, principal, gen_id)
-    finally:
-        inflight[0] -= gen.n
-
-
-async def _run_generation(
-    request: web.Request, spec: WorkflowSpec, gen: Generation, who: Principal, gen_id: str
-) -> web.Response:
-    cfg, bridge, metrics = request.app[CONFIG], request.app[BRIDGE], request.app[METRICS]
-    ids = [f"{gen_id}-{i}" for i in range(gen.n)]
-    futures = [bridge.expect(rid) for rid in ids]
-    t0 = time.monotonic()
-    try:
-        for rid, params in zip(ids, gen.params, strict=True):
-            req = ImageRequest(
-                request_id=rid,
-                tenant=who.tenant,
-                workflow=spec.name,
-                version=spec.version,
-                params=params,
-                submitted_at=time.time(),
-                timeout_s=cfg.request_timeout_s,
-            )
-            await bridge.submit(req)
-        results = await asyncio.gather(
-            *(bridge.wait(r, f, cfg.request_timeout_s + 5) for r, f in zip(ids, futures, strict=True))
-        )
-    finally:
-        for rid in ids:
-            bridge.forget(rid)
-    metrics["images_requested"] += gen.n
-    data = []
-    for rid, seed, result in zip(ids, gen.seeds, results, strict=True):
-        _raise_for(result, rid, cfg.request_timeout_s)
-        assert result is not None
-        ref = next(iter(result.images.values()))
-        item: dict[str, object] = {}
-        if gen.response_format == "url":
-            base = cfg.public_url.rstrip("/") or f"{request.scheme}://{request.host}"
-            item["url"] = f"{base}/v1/images/files/{ref.name}"
-        else:
-            png = await bridge.fetch_image(ref, delete=True)
-            if png is None:
-                raise ApiError(500, f"image of {rid} is missing from the object store", code="internal")
-            item["b64_json"] = base64.b64encode(png).decode()
-        if seed is not None:
-            item["seed"] = seed
-        data.append(item)
-    metrics["images_generated"] += gen.n
-    log.info(
-        "%s: %d image(s) of %s for %s in %.2fs", gen_id, gen.n, spec.name, who.tenant, time.monotonic() - t0
-    )
-    return web.json_response({"id": gen_id, "created": int(time.time()), "model": spec.name, "data": data})
-
-
-def _raise_for(result: RequestResult | None, rid: str, timeout: float) -> None:
-    if result is None:
-        raise ApiError(504, f"request {rid} did not finish within {timeout:.0f}s", code="timeout")
-    if result.status == "succeeded" and result.images:
-        return
-    code = result.error_code or "internal"
-    if code == "bad_params":
-        raise ApiError(422, result.error, code=code)
-    if code == "timeout":
-        raise ApiError(504, result.error, code=code)
-    raise ApiError(500, f"request {rid} failed: {result.error or 'no image produced'}", code=code)
-
-
-async def image_file(request: web.Request) -> web.Response:
-    rid, name = request.match_info["request_id"], request.match_info["name"]
-    bridge: Bridge = request.app[BRIDGE]
-    owner = await bridge.request_tenant(rid)
-    if owner is None or owner != request[PRINCIPAL].tenant or not name.endswith(".png"):
-        raise ApiError(404, f"no image {rid}/{name}", code="not_found")
-    png = await bridge.fetch_image(
-        ImageRef(bucket="", name=image_object(rid, name.removesuffix(".png")), nbytes=0, width=0, height=0),
-        delete=False,
-    )
-    if png is None:
-        raise ApiError(404, f"image {rid}/{name} has expired or does not exist", code="not_found")
-    return web.Response(body=png, content_type="image/png")
+def require_admin(request: web.Request, what: str) -> None:
+    if not request[PRINCIPAL].admin:
+        raise ApiError(403, f"{what} needs an admin API key", code="forbidden")
 
 
 # -- workflows -----------------------------------------------------------------------------------------
 async def register_workflow(request: web.Request) -> web.Response:
-    if not request[PRINCIPAL].admin:
-        raise ApiError(403, "registering workflows needs an admin API key", code="forbidden")
-    body = await read_json(request)
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a workflow spec (a JSON object)", code="invalid_json")
+    require_admin(request, "registering workflows")
+    body = json_object(await read_json(request, BUS_PAYLOAD_LIMIT), "a workflow spec (a JSON object)")
     reply = await request.app[BRIDGE].registry.register(
         json.dumps(body).encode(), tenant=request[PRINCIPAL].tenant
     )
     if not reply.ok:
         problems = [{"path": p.path, "message": p.message} for p in reply.problems]
         param = problems[0]["path"] if problems else None
-        err = {
-            "message": reply.error,
-            "type": "invalid_request_error",
-            "param": param,
-            "code": "invalid_spec",
-            "problems": problems,
-        }
-        return web.json_response({"error": err}, status=reply.status)
+        status = reply.status if 400 <= reply.status < 600 else 502
+        return ApiError(status, reply.error, param=param, code="invalid_spec").response(problems=problems)
     spec = json.loads(bytes(reply.spec))
     return web.json_response({"workflow": spec, "created": reply.created}, status=reply.status)
-
-
-async def register_lora(request: web.Request) -> web.Response:
-    if not request[PRINCIPAL].admin:
-        raise ApiError(403, "registering LoRA adapters needs an admin API key", code="forbidden")
-    body = await read_json(request)
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
-    for key in body:
-        if key not in ("name", "path", "description"):
-            raise ApiError(422, f"{key}: unknown field", param=key, code="invalid_value")
-    for key in ("name", "path"):
-        if not isinstance(body.get(key), str):
-            raise ApiError(422, f"{key}: is required (a string)", param=key, code="invalid_value")
-    if not isinstance(body.get("description", ""), str):
-        raise ApiError(422, "description: must be a string", param="description", code="invalid_value")
-    lora = LoraInfo(name=body["name"], path=body["path"], description=body.get("description", ""))
-    reply = await request.app[BRIDGE].registry.register_lora(lora)
-    if not reply.ok:
-        param = reply.problems[0].path if reply.problems else None
-        raise ApiError(reply.status, reply.error, param=param, code="invalid_value")
-    data = {"lora": msgspec.to_builtins(reply.loras[0]), "created": reply.created}
-    return web.json_response(data, status=reply.status)
-
-
-async def list_loras(request: web.Request) -> web.Response:
-    loras = await request.app[BRIDGE].registry.list_loras()
-    return web.json_response({"object": "list", "data": msgspec.to_builtins(loras)})
 
 
 async def list_workflows(request: web.Request) -> web.Response:
@@ -277,20 +134,45 @@ async def list_workflows(request: web.Request) -> web.Response:
 
 async def get_workflow(request: web.Request) -> web.Response:
     version_s = request.query.get("version", "0")
-    if not version_s.isdigit():
-        raise ApiError(422, "version: must be a positive integer", param="version")
+    if not VERSION.match(version_s):
+        raise ApiError(422, "version: must be a positive integer", param="version", code="invalid_value")
+    name = request.match_info["name"]
     try:
-        spec = await request.app[BRIDGE].registry.get(request.match_info["name"], int(version_s))
+        spec = await request.app[BRIDGE].registry.get(name, int(version_s))
     except WorkflowNotFound as e:
         raise ApiError(404, str(e), param="name", code="model_not_found") from None
     return web.json_response({"workflow": json.loads(encode_spec(spec))})
 
 
+# -- LoRA adapters ---------------------------------------------------------------------------------------
+async def register_lora(request: web.Request) -> web.Response:
+    require_admin(request, "registering LoRA adapters")
+    lora = loras.parse_registration(json_object(await read_json(request, BUS_PAYLOAD_LIMIT)))
+    reply = await request.app[BRIDGE].registry.register_lora(lora)
+    if not reply.ok:
+        param = reply.problems[0].path if reply.problems else None
+        raise loras.registry_error(reply.status, reply.error, param)
+    data = {"lora": loras.public(reply.loras[0] if reply.loras else lora), "created": reply.created}
+    return web.json_response(data, status=reply.status)
+
+
+async def list_loras(request: web.Request) -> web.Response:
+    found = await request.app[BRIDGE].registry.list_loras()
+    return web.json_response({"object": "list", "data": [loras.public(x) for x in found]})
+
+
+async def get_lora(request: web.Request) -> web.Response:
+    name = loras.lora_name(request)
+    found = await request.app[BRIDGE].registry.lora(name)
+    if found is None:
+        raise ApiError(404, f"no LoRA {name!r}", param="name", code="not_found")
+    return web.json_response({"lora": loras.public(found)})
+
+
 # -- admin ---------------------------------------------------------------------------------------------
 async def admin_tenants(request: web.Request) -> web.Response:
     """Per-tenant cumulative vTime, measured service and queued/running work (operator view)."""
-    if not request[PRINCIPAL].admin:
-        raise ApiError(403, "the tenant view needs an admin API key", code="forbidden")
+    require_admin(request, "the tenant view")
     view = await request.app[BRIDGE].tenant_view()
     data = [{"tenant": t, **v} for t, v in sorted(view.items())]
     return web.json_response({"object": "list", "data": data})
@@ -310,7 +192,12 @@ async def readyz(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    lines = ["# TYPE t2i_gateway_inflight gauge", f"t2i_gateway_inflight {request.app[INFLIGHT][0]}"]
+    admission = request.app[ADMISSION]
+    lines = ["# TYPE t2i_gateway_inflight gauge", f"t2i_gateway_inflight {admission.inflight}"]
+    lines.append("# TYPE t2i_gateway_tenant_inflight gauge")
+    lines += [
+        f't2i_gateway_tenant_inflight{{tenant="{t}"}} {n}' for t, n in sorted(admission.by_tenant.items())
+    ]
     for name, value in sorted(request.app[METRICS].items()):
         lines += [f"# TYPE t2i_gateway_{name}_total counter", f"t2i_gateway_{name}_total {value}"]
     return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
@@ -324,7 +211,11 @@ async def _bridge_ctx(app: web.Application) -> AsyncIterator[None]:
     bridge = Bridge(nc, redis, Subjects(common.namespace), Keys(common.namespace))
     await bridge.start()
     app[BRIDGE] = bridge
+    app[RECORDS] = Records(redis, common.namespace)
+    app[DECODE_SLOTS] = asyncio.Semaphore(DECODE_SLOT_COUNT)
     yield
+    for task in list(app[TASKS]):
+        task.cancel()
     await close_quietly(bridge.stop(), "bridge")
     await close_quietly(nc.drain(), "nats")
     await close_quietly(redis.aclose(), "redis")
@@ -338,15 +229,19 @@ def make_app(cfg: GatewayConfig, common: CommonSettings, keys: ApiKeys) -> web.A
     app[COMMON] = common
     app[KEYS] = keys
     app[METRICS] = Counter()
-    app[INFLIGHT] = [0]
+    app[ADMISSION] = Admission(cfg.max_inflight, cfg.tenant_inflight)
+    app[TASKS] = set()
     app.cleanup_ctx.append(_bridge_ctx)
-    app.router.add_post("/v1/images/generations", generate)
-    app.router.add_get("/v1/images/files/{request_id}/{name}", image_file)
+    app.on_response_prepare.append(add_retry_header)
+    app.router.add_post("/v1/images/generations", images.generate)
+    app.router.add_get("/v1/requests/{id}", images.get_request)
+    app.router.add_get("/v1/images/files/{request_id}/{name}", images.image_file)
     app.router.add_post("/v1/workflows", register_workflow)
     app.router.add_get("/v1/workflows", list_workflows)
     app.router.add_get("/v1/workflows/{name}", get_workflow)
     app.router.add_post("/v1/loras", register_lora)
     app.router.add_get("/v1/loras", list_loras)
+    app.router.add_get("/v1/loras/{name}", get_lora)
     app.router.add_get("/v1/admin/tenants", admin_tenants)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)

@@ -58,7 +58,8 @@ def _tenant(name: str) -> str:
 
 
 def _digest(key: str) -> bytes:
-    return hashlib.sha256(key.encode()).digest()
+    # Header values may carry surrogates (bytes that are not UTF-8): they must still hash.
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
 
 
 def bearer(header: str | None) -> str | None:

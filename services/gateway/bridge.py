@@ -2,8 +2,13 @@
 
 Requests go onto the JetStream intake (deduplicated by ``Nats-Msg-Id``, so a retried publish is
 not a second request). Results come back on ``{ns}.results.<id>``; one wildcard subscription routes
-them to waiting calls. Should a result message be missed (core NATS is at-most-once), the request
+them to waiting calls (several may wait for one request: the call that made it and retries with
+its idempotency key). Should a result message be missed (core NATS is at-most-once), the request
 state in Redis has it too, and the waiter checks there every few seconds.
+
+A result is accepted only for a request some call here waits for, and only after
+``results.result_problem`` found nothing wrong with it (it names that request, and only that
+request's own image objects); anything else is logged and dropped.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ from libs.common.retry import retry
 from libs.protocol.keys import Keys
 from libs.protocol.messages import ImageRef, ImageRequest, RequestResult, encode, result_decoder
 from libs.protocol.subjects import Subjects
+from services.gateway.records import RESULT_TTL_S, GatewayKeys
+from services.gateway.results import STATUS, ImageState, decode_checked, result_problem
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +46,12 @@ class Bridge:
         self.redis = redis
         self.subjects = subjects
         self.keys = keys
+        self.own_keys = GatewayKeys(keys.ns)
         self.registry = RegistryClient(nc, subjects)
         self.images: ObjectStore | None = None
-        self._waiters: dict[str, asyncio.Future[RequestResult]] = {}
+        self._waiters: dict[str, set[asyncio.Future[RequestResult]]] = {}
         self._sub: Subscription | None = None
+        self._result_prefix = subjects.result("")
 
     async def start(self) -> None:
         await ensure_intake_stream(self.js, self.subjects)
@@ -56,28 +65,49 @@ class Bridge:
             except Exception:  # noqa: BLE001 - connection may be closed already
                 pass
             self._sub = None
-        for fut in self._waiters.values():
-            fut.cancel()
+        for futs in self._waiters.values():
+            for fut in futs:
+                fut.cancel()
+
+    @property
+    def bucket(self) -> str:
+        return self.subjects.images_bucket
 
     async def _on_result(self, msg: Msg) -> None:
+        rid = msg.subject[len(self._result_prefix) :]
+        futs = self._waiters.get(rid)
+        if not futs:
+            # Normal with several gateway replicas (each sees every result), or after a call gave up.
+            log.debug("ignored a result on %s: no call here waits for it", msg.subject)
+            return
         try:
             result = result_decoder.decode(msg.data)
         except msgspec.DecodeError as e:
-            log.warning("dropped a malformed result: %s", e)
+            log.warning("dropped a malformed result on %s: %s", msg.subject, e)
             return
-        fut = self._waiters.get(result.request_id)
-        if fut is not None and not fut.done():
-            fut.set_result(result)
+        problem = result_problem(rid, result, self.bucket)
+        if problem is not None:
+            log.warning(
+                "dropped a result on %s that does not answer request %s: %s", msg.subject, rid, problem
+            )
+            return
+        for fut in futs:
+            if not fut.done():
+                fut.set_result(result)
 
     def expect(self, request_id: str) -> asyncio.Future[RequestResult]:
-        """Register interest in a result *before* submitting, so it cannot be missed."""
+        """Register interest in a result *before* submitting (or looking), so it cannot be missed."""
         fut: asyncio.Future[RequestResult] = asyncio.get_running_loop().create_future()
-        self._waiters[request_id] = fut
+        self._waiters.setdefault(request_id, set()).add(fut)
         return fut
 
-    def forget(self, request_id: str) -> None:
-        fut = self._waiters.pop(request_id, None)
-        if fut is not None and not fut.done():
+    def forget(self, request_id: str, fut: asyncio.Future[RequestResult]) -> None:
+        futs = self._waiters.get(request_id)
+        if futs is not None:
+            futs.discard(fut)
+            if not futs:
+                del self._waiters[request_id]
+        if not fut.done():
             fut.cancel()
 
     async def submit(self, req: ImageRequest) -> None:
@@ -98,23 +128,75 @@ class Bridge:
         )
 
     async def wait(
-        self, request_id: str, fut: asyncio.Future[RequestResult], wait_s: float
+        self, request_id: str, wait_s: float, fut: asyncio.Future[RequestResult] | None = None
     ) -> RequestResult | None:
-        """The result, or None after ``wait_s`` seconds."""
+        """The request's (checked) result, or None after ``wait_s`` seconds.
+
+        ``fut`` is from :meth:`expect`, called before the request was submitted (else here). Looks
+        in Redis first, so a request that ended before this call began is answered at once.
+        """
+        if fut is None:
+            fut = self.expect(request_id)
         deadline = time.monotonic() + wait_s
         try:
             while True:
+                stored = await self.stored_result(request_id)
+                if stored is not None:
+                    return stored
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return None
                 try:
                     return await asyncio.wait_for(asyncio.shield(fut), min(left, FALLBACK_POLL_S))
                 except TimeoutError:
-                    stored = await self.redis.hget(self.keys.request(request_id), "result")
-                    if stored:
-                        return result_decoder.decode(stored)
+                    continue
         finally:
-            self.forget(request_id)
+            self.forget(request_id, fut)
+
+    async def remember(self, results: list[RequestResult]) -> None:
+        """Keep the results a call answers with (checked already), so a lookup sees them at once."""
+        if not results:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for r in results:
+            pipe.set(self.own_keys.result(r.request_id), encode(r), ex=RESULT_TTL_S)
+        await pipe.execute()
+
+    async def stored_result(self, request_id: str) -> RequestResult | None:
+        """The result kept by the gateway, else by the scheduler (``{ns}:req:{id}``), checked."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.get(self.own_keys.result(request_id))
+        pipe.hget(self.keys.request(request_id), "result")
+        for raw in await pipe.execute():
+            if not raw:
+                continue
+            result, problem = decode_checked(request_id, raw, self.bucket)
+            if result is not None:
+                return result
+            log.warning("ignored a stored result of %s: %s", request_id, problem)
+        return None
+
+    async def states(self, request_ids: list[str]) -> list[ImageState]:
+        """Each request's state from Redis (a request not there yet counts as queued)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for rid in request_ids:
+            pipe.get(self.own_keys.result(rid))
+            pipe.hmget(self.keys.request(rid), "status", "result")
+        replies = await pipe.execute()
+        out = []
+        for i, rid in enumerate(request_ids):
+            own, (status, raw) = replies[2 * i], replies[2 * i + 1]
+            if own or raw:
+                result, problem = decode_checked(rid, own or raw, self.bucket)
+                if result is None:
+                    log.warning("the stored result of %s is unusable: %s", rid, problem)
+                    result = RequestResult(
+                        rid, "failed", error="the result was refused", error_code="internal"
+                    )
+                out.append(ImageState(result.status, result))
+            else:
+                out.append(ImageState(STATUS.get((status or b"").decode(errors="replace"), "queued")))
+        return out
 
     async def fetch_image(self, ref: ImageRef, delete: bool) -> bytes | None:
         assert self.images is not None

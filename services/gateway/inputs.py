@@ -4,12 +4,16 @@
   accepted too). It is decoded and checked here — real image data, sane dimensions, a size
   limit — normalised to an RGB PNG and put in the images bucket. Executors fetch it from there,
   since pictures can exceed NATS' 1 MiB payload limit. The parameter then carries the object's name.
+  Decoding runs in a worker thread (at most ``DECODE_SLOTS`` at once per gateway, which bounds the
+  memory decoded pictures take), never on the event loop; a picture's header is checked against
+  :data:`MAX_PIXELS` before any pixel is decoded.
 * ``lora``: the name of a registered adapter (``POST /v1/loras``), replaced by its path. An
   unknown name is refused here, before anything reaches the scheduler.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import io
@@ -23,6 +27,9 @@ from services.gateway.errors import invalid
 MAX_IMAGE_BYTES = 16 << 20
 MAX_SIDE = 4096
 MIN_SIDE = 8
+MAX_PIXELS = 1 << 23  # 8.4 megapixels (e.g. 4096x2048): ~25 MB once decoded to RGB
+DECODE_SLOTS = 4
+MAX_LORA_NAME = 64
 DATA_URL = re.compile(r"^data:image/[a-z+.-]+;base64,", re.I)
 
 
@@ -48,18 +55,29 @@ def decode_image(field: str, value: str) -> bytes:
             w, h = img.size
             if not (MIN_SIDE <= w <= MAX_SIDE and MIN_SIDE <= h <= MAX_SIDE):
                 raise invalid(field, f"image is {w}x{h}; each side must be {MIN_SIDE}..{MAX_SIDE} pixels")
+            if w * h > MAX_PIXELS:
+                raise invalid(field, f"image is {w}x{h}; at most {MAX_PIXELS} pixels")
             img.load()  # decode fully: truncated or corrupt data fails here, not on an executor
             out = io.BytesIO()
             img.convert("RGB").save(out, format="PNG")
             return out.getvalue()
-    except (UnidentifiedImageError, OSError, SyntaxError, Image.DecompressionBombError) as e:
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
         raise invalid(field, f"is not a readable image ({type(e).__name__})") from None
 
 
 async def resolve_inputs(
-    spec: WorkflowSpec, params: list[dict[str, Any]], body: dict[str, Any], bridge: Bridge, gen_id: str
-) -> None:
-    """Replace image and LoRA parameters in every image's parameters, in place."""
+    spec: WorkflowSpec,
+    params: list[dict[str, Any]],
+    body: dict[str, Any],
+    bridge: Bridge,
+    gen_id: str,
+    slots: asyncio.Semaphore,
+) -> dict[str, str]:
+    """Replace image and LoRA parameters in every image's parameters, in place.
+
+    Returns resolved LoRA path -> LoRA name (paths are never shown to tenants).
+    """
+    loras: dict[str, str] = {}
     for name, p in spec.params.items():
         if p.type not in ("image", "lora"):
             continue
@@ -68,13 +86,17 @@ async def resolve_inputs(
             continue
         field = field_name(name, body)
         if p.type == "lora":
-            lora = await bridge.registry.lora(value)
+            # A registered name is a short slug; a longer value could not even be asked for on the bus.
+            lora = await bridge.registry.lora(value) if len(value) <= MAX_LORA_NAME else None
             if lora is None:
-                raise invalid(field, f"unknown LoRA {value!r} (register it with POST /v1/loras)")
+                raise invalid(field, f"unknown LoRA {value[:64]!r} (register it with POST /v1/loras)")
             resolved = lora.path
+            loras[lora.path] = lora.name
         else:
-            png = decode_image(field, value)
+            async with slots:
+                png = await asyncio.to_thread(decode_image, field, value)
             resolved = f"inputs/{gen_id}/{name}.png"
             await bridge.put_image(resolved, png)
         for one in params:
             one[name] = resolved
+    return loras

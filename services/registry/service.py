@@ -149,7 +149,8 @@ LORA_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 
 
 def check_lora(lora: LoraInfo) -> list[Problem]:
-    """A LoRA's name is a lowercase slug; its path is a .safetensors file without `..`."""
+    """A LoRA's name is a lowercase slug; its path is a .safetensors file relative to the executors'
+    model root, without `..` (executors also refuse one that resolves outside the root)."""
     problems = []
     if not LORA_NAME.match(lora.name):
         problems.append(Problem("name", f"{lora.name!r} must match {LORA_NAME.pattern}"))
@@ -157,6 +158,10 @@ def check_lora(lora: LoraInfo) -> list[Problem]:
         problems.append(Problem("path", "must be the path of a .safetensors file (at most 1024 characters)"))
     elif ".." in lora.path.replace("\\", "/").split("/"):
         problems.append(Problem("path", "must not contain `..`"))
+    elif lora.path.startswith(("/", "\\", "~")) or (len(lora.path) > 1 and lora.path[1] == ":"):
+        problems.append(Problem("path", "must be relative to the executors' model root"))
+    elif "\x00" in lora.path:
+        problems.append(Problem("path", "must not contain NUL"))
     if len(lora.description) > 1000:
         problems.append(Problem("description", "at most 1000 characters"))
     return problems

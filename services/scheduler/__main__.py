@@ -30,6 +30,8 @@ async def build(stack: AsyncExitStack) -> SchedulerService:
         heartbeat_timeout_s=cfg.heartbeat_timeout_s,
         max_node_retries=cfg.max_node_retries,
         max_restarts=cfg.max_restarts,
+        node_time_limit_s=cfg.node_time_limit_s,
+        node_time_factor=cfg.node_time_factor,
     )
     nc = await connect(common.nats_url, "scheduler")
     own(stack, nc.drain, "nats")

@@ -12,8 +12,24 @@ class SchedulerConfig(msgspec.Struct, forbid_unknown_fields=True):
     heartbeat_timeout_s: float = 5.0  # an executor silent this long is gone
     dispatch_timeout_s: float = 2.0  # an executor that does not ack a dispatch this fast is suspect
     ack_wait_s: float = 30.0  # JetStream redelivers an intake message not acked/progressed this long
-    max_active: int = 1000  # requests in progress before the scheduler stops taking more from intake
+    max_active: int = 1000  # requests in the core (the active set the policy sees) at most
+    # Requests taken in beyond max_active, queued per tenant and admitted to the core in the policy's
+    # order (admission.py); past max_active + max_backlog the rest wait in JetStream.
+    max_backlog: int = 10_000
     max_node_retries: int = 2
     max_restarts: int = 2
     request_ttl_s: int = 86400  # how long request state stays in Redis after it ends
     view_s: float = 1.0  # how often the per-tenant operator view is refreshed in Redis
+    # A dispatched node may run max(node_time_limit_s, node_time_factor × its estimate); past that it
+    # is requeued elsewhere and its executor gets no work until it stops reporting it (0: no limit).
+    node_time_limit_s: float = 600.0
+    node_time_factor: float = 10.0
+    # Transient failures (registry or Redis unreachable) are retried inside the scheduler with
+    # exponential back-off from retry_initial_s up to retry_max_s, the intake message kept alive.
+    retry_initial_s: float = 0.2
+    retry_max_s: float = 5.0
+    registry_timeout_s: float = 5.0  # one registry lookup's wait for an answer
+    # An intake message delivered more often than this (each delivery past the first is a scheduler
+    # that crashed or lost it) is answered with a failed result ("internal") instead of taken in.
+    max_deliveries: int = 10
+    result_retry_s: float = 3600.0  # how long the final write of a result to Redis is retried

@@ -17,7 +17,10 @@ already requeued) are recognised here and dropped before any transition.
 
 Failures: a retryable node failure retries that node; losing an executor restarts every request
 that had a node running there or still needs a tensor it held, as a new *attempt* (ModelFns are
-deterministic, so the image is the same); a request past its deadline fails.
+deterministic, so the image is the same); a request past its deadline (``submitted_at`` +
+``timeout_s``, ``deadlines.py``) fails, and none of its nodes is dispatched after it; a node that
+runs past its time limit, or completes with a timing that is not finite and >= 0, runs again
+elsewhere (``guards.py``).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from collections import OrderedDict
 from libs.protocol.ids import AttemptRef, NodeRef, image_object
 from libs.protocol.messages import (
     CallbackReady,
+    CancelNode,
     ConstInput,
     Dispatch,
     ExecutorHeartbeat,
@@ -45,6 +49,7 @@ from libs.protocol.messages import (
 )
 from libs.protocol.tensor_meta import TensorMeta
 from libs.workflow.dag import Const, Dag, ImageSource, LoraSource, TensorSource
+from services.scheduler import views
 from services.scheduler.accounting import Accounts
 from services.scheduler.effects import (
     Effect,
@@ -52,10 +57,12 @@ from services.scheduler.effects import (
     PersistRequest,
     ReleaseAttempt,
     SendCallback,
+    SendCancel,
     SendDispatch,
 )
 from services.scheduler.estimates import Estimator, shape_key
 from services.scheduler.executors import ExecutorState
+from services.scheduler.guards import overdue, timing_problem
 from services.scheduler.lifecycle import NodeRecord, NodeState, NodeTable
 from services.scheduler.policy import Policy
 from services.scheduler.records import RequestRun, metas_of
@@ -74,6 +81,8 @@ class SchedulerCore:
         max_restarts: int = 2,
         estimator: Estimator | None = None,
         accounts: Accounts | None = None,
+        node_time_limit_s: float = 600.0,
+        node_time_factor: float = 10.0,
     ) -> None:
         self.policy = policy
         self.estimator = estimator or Estimator()
@@ -81,15 +90,23 @@ class SchedulerCore:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.max_node_retries = max_node_retries
         self.max_restarts = max_restarts
+        self.node_time_limit_s = node_time_limit_s  # a node may run max(this, factor × estimate)
+        self.node_time_factor = node_time_factor
         self.executors: dict[str, ExecutorState] = {}
         self.runs: dict[str, RequestRun] = {}  # request id -> current attempt
         self._dispatched: OrderedDict[NodeRef, None] = OrderedDict()  # nodes we dispatched (bounded)
 
     # -- requests ----------------------------------------------------------------------------------
-    def add_request(self, req: ImageRequest, dag: Dag, *, attempt: int, now: float) -> list[Effect]:
+    def add_request(
+        self, req: ImageRequest, dag: Dag, *, attempt: int, now: float, deadline: float | None = None
+    ) -> list[Effect]:
+        """Take a request in; ``deadline`` (monotonic) defaults to ``now + timeout_s`` (the shell
+        passes ``submitted_at + timeout_s``: ``deadlines.py``). One already past it fails in the next
+        ``schedule`` without any node dispatched."""
         if req.request_id in self.runs:
             return []  # a redelivery of a request in progress: keep going
-        run = self._new_run(req, dag, attempt, arrived=now, deadline=now + req.timeout_s)
+        due = now + req.timeout_s if deadline is None else deadline
+        run = self._new_run(req, dag, attempt, arrived=now, deadline=due)
         self.runs[req.request_id] = run
         self.accounts.request_started(req.tenant)
         return [self._persist(run, status="queued")]
@@ -132,6 +149,8 @@ class SchedulerCore:
         ex = self.executors.get(executor_id)
         if ex is not None and ex.running == node:
             ex.running = None
+        if ex is not None and ex.hung == node:
+            ex.hung = None  # the node that overran its limit there ended after all
         return self._in_flight(node, executor_id)
 
     @property
@@ -202,9 +221,35 @@ class SchedulerCore:
         for ex in list(self.executors.values()):
             if now - ex.last_seen > self.heartbeat_timeout_s:
                 effects += self.remove_executor(ex.id, now, f"no heartbeat for {now - ex.last_seen:.1f}s")
-        for run in list(self.runs.values()):
-            if now > run.deadline:
-                effects += self._fail(run, f"timed out after {run.req.timeout_s:.0f}s", code="timeout")
+        for late in overdue(list(self.runs.values()), now, self.node_time_limit_s, self.node_time_factor):
+            ref, ex_id = late.rec.ref, late.rec.executor or ""
+            if self.runs.get(ref.request_id) is not late.run or not late.rec.in_flight:
+                continue  # an earlier one of these restarted or ended its request
+            log.warning("node %s ran %.1fs on %s, past its %.0fs limit", ref, late.ran_s, ex_id, late.limit_s)
+            ex = self.executors.get(ex_id)
+            if ex is not None and ex.running == ref:
+                ex.running, ex.hung = None, ref  # no work there until it stops reporting the node
+            if ex is not None:
+                # Stop it there: a simulated runner stops at once, a real one (its thread cannot be
+                # stopped) answers and exits for its supervisor to restart it (``restart_ok``).
+                effects.append(
+                    SendCancel(ex_id, CancelNode(ref.request_id, ref.attempt, ref.node_id, restart_ok=True))
+                )
+            if late.rec.retries >= self.max_node_retries:
+                why = f"node {ref.node_id} ran past its {late.limit_s:.0f}s time limit {late.rec.retries + 1} times"
+                effects += self._fail(late.run, why, code="timeout")
+            else:
+                effects += self._requeue(
+                    ref, ex_id, now, reason=f"ran past its {late.limit_s:.0f}s time limit"
+                )
+        return effects + self._fail_expired(now)
+
+    def _fail_expired(self, now: float) -> list[Effect]:
+        effects: list[Effect] = []
+        for run in [r for r in self.runs.values() if now >= r.deadline]:
+            done = f"{run.nodes.done} of {len(run.nodes)} nodes done"
+            why = f"deadline passed ({run.req.timeout_s:g}s after submission; {done})"
+            effects += self._fail(run, why, code="timeout")
         return effects
 
     # -- scheduling ---------------------------------------------------------------------------------
@@ -270,8 +315,12 @@ class SchedulerCore:
 
         With no idle executor the policy still runs when a tenant with ready work is new, returning
         or rejoining, so its lift takes effect the moment it becomes eligible (the bound of paper §6
-        is stated from that point on), not when an executor next frees up.
+        is stated from that point on), not when an executor next frees up. Requests past their
+        deadline fail first: no node of theirs is dispatched.
         """
+        return self._fail_expired(now) + self._schedule(now)
+
+    def _schedule(self, now: float) -> list[Effect]:
         has_idle = any(e.idle for e in self.executors.values())
         if not has_idle:
             with_ready = {run.req.tenant for run in self.runs.values() if run.nodes.ready}
@@ -379,8 +428,16 @@ class SchedulerCore:
     # -- completions -------------------------------------------------------------------------------
     def on_complete(self, msg: NodeComplete, now: float) -> list[Effect]:
         ref = msg.ref
+        if (problem := timing_problem(msg.timing)) is not None:
+            return self.reject_completion(ref, msg.executor, now, problem)
         found = self._ended_on(ref, msg.executor)
         if found is None:
+            run = self.runs.get(ref.request_id)
+            if run is not None and run.attempt == ref.attempt:
+                # A late or duplicate completion in the live attempt (e.g. of a node requeued after
+                # it overran): its outputs share ids with the rerun's, so they are left to the
+                # attempt's release when the request ends rather than released by id now.
+                return []
             # A completion of an attempt that was restarted or already failed: free its outputs.
             return [ReleaseAttempt(ref.attempt_ref)] if msg.outputs else []
         run, rec = found
@@ -436,6 +493,14 @@ class SchedulerCore:
             return [correction, *forwards, *self._succeed(run)]
         return [correction, *forwards, self._persist(run, status="running", tensors=new_tensors)]
 
+    def reject_completion(self, node: NodeRef, executor_id: str, now: float, problem: str) -> list[Effect]:
+        """A completion that cannot be believed (its timing is not finite and >= 0): dropped, and
+        the node is treated as lost (run again; its tenant keeps the estimate charged)."""
+        log.error("dropped the completion of %s from %s: %s; the node runs again", node, executor_id, problem)
+        if self._ended_on(node, executor_id) is None:
+            return []
+        return self._requeue(node, executor_id, now, reason=f"bad completion ({problem})")
+
     def on_failed(self, msg: NodeFailed, now: float) -> list[Effect]:
         ref = msg.ref
         found = self._ended_on(ref, msg.executor)
@@ -481,8 +546,22 @@ class SchedulerCore:
         log.warning("restarting request %s (attempt %d): %s", run.request_id, run.attempt + 1, reason)
         fresh = self._new_run(run.req, run.dag, run.attempt + 1, arrived=run.arrived, deadline=run.deadline)
         fresh.restarts = run.restarts + 1
+        cancels = self._cancel_running(run)
         self.runs[run.request_id] = fresh
-        return [ReleaseAttempt(run.ref), self._persist(fresh, status="queued", restarted=reason)]
+        return [*cancels, ReleaseAttempt(run.ref), self._persist(fresh, status="queued", restarted=reason)]
+
+    def _cancel_running(self, run: RequestRun) -> list[Effect]:
+        """Stop the nodes of ``run`` that executors are still running: its attempt ended (failed or
+        restarted). Their answers (``NodeFailed``) arrive stale and free the executors sooner. A
+        real runner that cannot stop its thread lets the node finish (no ``restart_ok``)."""
+        effects: list[Effect] = []
+        for rec in run.nodes.in_flight.values():
+            ex = self.executors.get(rec.executor or "")
+            if ex is not None and ex.running == rec.ref:  # not one that just ended or overran there
+                effects.append(
+                    SendCancel(ex.id, CancelNode(rec.ref.request_id, rec.ref.attempt, rec.ref.node_id))
+                )
+        return effects
 
     def _succeed(self, run: RequestRun) -> list[Effect]:
         return self._end(run, "succeeded")
@@ -494,6 +573,7 @@ class SchedulerCore:
     def _end(self, run: RequestRun, status: str, error: str = "", code: str = "") -> list[Effect]:
         # Executors still computing nodes of a failed run keep ``running`` set; their completions
         # arrive stale, free the executor and release the attempt's tensors again.
+        cancels = self._cancel_running(run)
         if self.runs.pop(run.request_id, None) is not None:
             self.accounts.request_ended(run.req.tenant)
         result = RequestResult(
@@ -508,6 +588,7 @@ class SchedulerCore:
             gpu_s=run.gpu_s,
         )
         return [
+            *cancels,
             ReleaseAttempt(run.ref),
             self._persist(run, status=status, drop_tensors=True, error=error),
             Finished(result, run.req.tenant),
@@ -538,30 +619,7 @@ class SchedulerCore:
 
     def tenant_stats(self) -> dict[str, dict[str, float | int]]:
         """The operator view: per tenant vTime, measured service, and its work in the system."""
-        out: dict[str, dict[str, float | int]] = {}
-        for name, a in self.accounts.tenants.items():
-            out[name] = {
-                "vtime_s": round(a.vtime, 6),
-                "service_s": round(a.service_s, 6),
-                "ops": a.ops,
-                "requests": a.requests,
-                "queued": 0,
-                "ready_nodes": 0,
-                "running_nodes": 0,
-            }
-        for run in self.runs.values():
-            d = out.setdefault(run.req.tenant, {"queued": 0, "ready_nodes": 0, "running_nodes": 0})
-            d["ready_nodes"] += len(run.nodes.ready)
-            d["running_nodes"] += len(run.nodes.in_flight)
-            if run.nodes.done == 0 and not run.nodes.in_flight:
-                d["queued"] += 1
-        return out
+        return views.tenant_stats(self.accounts, self.runs.values())
 
     def stats(self) -> dict[str, int]:
-        return {
-            "requests": len(self.runs),
-            "executors": len(self.executors),
-            "idle_executors": sum(1 for e in self.executors.values() if e.idle),
-            "ready_nodes": sum(len(r.nodes.ready) for r in self.runs.values()),
-            "running_nodes": sum(len(r.nodes.in_flight) for r in self.runs.values()),
-        }
+        return views.stats(self.executors.values(), self.runs.values())

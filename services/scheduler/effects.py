@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from libs.protocol.ids import AttemptRef
-from libs.protocol.messages import CallbackReady, Dispatch, RequestResult
+from libs.protocol.messages import CallbackReady, CancelNode, Dispatch, RequestResult
 from libs.protocol.tensor_meta import TensorMeta
 
 
@@ -21,6 +21,14 @@ class SendCallback:
 
     executor: str
     msg: CallbackReady
+
+
+@dataclass(frozen=True)
+class SendCancel:
+    """Tell an executor to stop a node (over its time limit, or its request ended)."""
+
+    executor: str
+    msg: CancelNode
 
 
 @dataclass(frozen=True)
@@ -63,4 +71,4 @@ class ChargeVTime:
     service_s: float = 0.0
 
 
-Effect = SendDispatch | SendCallback | ReleaseAttempt | PersistRequest | Finished | ChargeVTime
+Effect = SendDispatch | SendCallback | SendCancel | ReleaseAttempt | PersistRequest | Finished | ChargeVTime

@@ -52,6 +52,9 @@ class ExecutorState:
     acked_seq: int | None = None  # executor's heartbeat seq when it accepted ``running``
     foreign: tuple[NodeRef, ...] = ()  # nodes it reports running that this scheduler never dispatched
     suspect: bool = False  # a dispatch to it went unanswered: skip it until it heartbeats again
+    # A node that ran past its time limit there and was requeued elsewhere: the executor gets no
+    # work until a heartbeat no longer reports it running (or its late completion or failure comes).
+    hung: NodeRef | None = None
     load: float = 0.0
     load_at: float = 0.0
     malformed: frozenset[str] = frozenset()  # entries of its last heartbeat that did not parse
@@ -61,7 +64,7 @@ class ExecutorState:
 
     @property
     def idle(self) -> bool:
-        return self.running is None and not self.foreign and not self.suspect
+        return self.running is None and self.hung is None and not self.foreign and not self.suspect
 
     def busy(self, now: float) -> float:
         """The recent-dispatch count, decayed to ``now``."""
@@ -114,4 +117,11 @@ class ExecutorState:
         self.arena_capacity = hb.arena_capacity
         self.arena_free = hb.arena_free
         self.suspect = False
+        if self.hung is not None and self.hung not in running:
+            log.info(
+                "executor %s no longer runs %s, which overran its limit: it takes work again",
+                self.id,
+                self.hung,
+            )
+            self.hung = None
         return running

@@ -64,6 +64,7 @@ class NodeRecord:
     critical_s: float = 0.0  # estimated critical path from this node to the request's end
     state: NodeState = WAITING
     ready_since: float = 0.0  # when it last became READY
+    dispatched_at: float = 0.0  # when it was last dispatched (its time limit counts from here)
     executor: str | None = None  # where it is in flight
     charge_s: float = 0.0  # the vTime estimate its tenant was charged at dispatch
     shapes: str = ""  # shape key of its tensor inputs at dispatch (what its estimate is keyed by)
@@ -118,6 +119,7 @@ class NodeTable:
         del self.ready[node_id]
         rec.state = DISPATCHED
         rec.executor = executor
+        rec.dispatched_at = now
         rec.charge_s, rec.shapes, rec.kind = charge_s, shapes, kind
         rec.pending = {}
         self.in_flight[node_id] = rec

@@ -2,17 +2,20 @@
 
 Inputs: image requests from the JetStream intake (a work queue with a durable pull consumer, so a
 request survives a scheduler crash: it is acked only when it ends and kept alive with
-``in_progress`` meanwhile), and executor events (heartbeats, completions, failures). Every input
-becomes one synchronous call on the core; the returned effects are carried out here: dispatches
-are sent as request/reply to the executor (its ``Ack`` or silence goes back into the core), request
-state is written to Redis, results are published to the gateway.
+``in_progress`` meanwhile; taking one in is ``intake.py``), and executor events (heartbeats,
+completions, failures). Every input becomes one synchronous call on the core; the returned effects
+are carried out here: dispatches are sent as request/reply to the executor (its ``Ack`` or silence
+goes back into the core), request state is written to Redis, results are published to the gateway.
+
+A result is published first, then the intake message is acked, then the result is written to Redis
+with retries (``result_retry_s``): a Redis outage delays only that write, never the answer, and
+never causes a recompute (the message is acked whatever Redis does).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 
 import msgspec
@@ -25,25 +28,25 @@ from nats.js.api import AckPolicy, ConsumerConfig
 from redis.asyncio import Redis
 
 from libs.common.jetstream import ensure_intake_stream
-from libs.common.registry_client import RegistryClient, RegistryUnavailable, WorkflowNotFound
+from libs.common.registry_client import RegistryClient
 from libs.common.service import run_all
+from libs.protocol.ids import NodeRef
 from libs.protocol.keys import Keys
 from libs.protocol.messages import (
     ExecutorGoodbye,
     ExecutorHeartbeat,
+    ImageRequest,
     NodeComplete,
     NodeFailed,
     ReleaseRequest,
     RequestResult,
     ack_decoder,
     encode,
-    intake_decoder,
     sched_decoder,
 )
 from libs.protocol.subjects import Subjects
-from libs.workflow.dag import unroll
-from libs.workflow.errors import ParamError
-from libs.workflow.params import resolve_params
+from libs.workflow.dag import Dag
+from services.scheduler.admission import rank_for
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.core import SchedulerCore
 from services.scheduler.effects import (
@@ -53,13 +56,24 @@ from services.scheduler.effects import (
     PersistRequest,
     ReleaseAttempt,
     SendCallback,
+    SendCancel,
     SendDispatch,
 )
+from services.scheduler.intake import Intake
+from services.scheduler.retrying import Backoff, is_transient, retry_transient
 from services.scheduler.vtime_store import VTimeStore
 
 log = logging.getLogger(__name__)
 
-REQUEST_ID = re.compile(r"^[A-Za-z0-9_-]{1,80}$")
+
+class _NodeEvent(msgspec.Struct):
+    """The node an event names, read from one that did not validate (to treat the node as lost)."""
+
+    type: str = ""
+    executor: str = ""
+    request_id: str = ""
+    attempt: int = 0
+    node_id: str = ""
 
 
 class SchedulerService:
@@ -80,13 +94,24 @@ class SchedulerService:
         self.keys = keys
         self.core = core
         self.cfg = cfg
-        self.registry = RegistryClient(nc, subjects)
+        self.registry = RegistryClient(nc, subjects, timeout=cfg.registry_timeout_s)
         self.vtimes = VTimeStore(redis, keys)
-        self._intake_msgs: dict[str, Msg] = {}  # request id -> its JetStream message (acked at the end)
+        self.intake = Intake(
+            nc=nc,
+            redis=redis,
+            keys=keys,
+            subjects=subjects,
+            registry=self.registry,
+            cfg=cfg,
+            finish=self._finish_soon,
+            admit=self._admit,
+        )
         self._io: asyncio.Queue[Effect] = asyncio.Queue(maxsize=100_000)
         self._tasks: set[asyncio.Task] = set()
+        self._finishing: set[asyncio.Task] = set()  # results being published, acked and stored
         self._subs: list = []
         self._pull: JetStreamContext.PullSubscription | None = None
+        self.forged_events = 0  # events dropped: their ``executor`` was not their subject's sender
 
     # -- lifecycle ----------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -97,17 +122,27 @@ class SchedulerService:
                 "resumed tenant vTime from Redis: %s", {t: round(v, 3) for t, v in sorted(vtime.items())}
             )
         await ensure_intake_stream(self.js, self.subjects)
+        consumer = ConsumerConfig(
+            durable_name=self.subjects.intake_durable,
+            filter_subject=self.subjects.intake,
+            ack_policy=AckPolicy.EXPLICIT,
+            ack_wait=self.cfg.ack_wait_s,
+            # No delivery limit: transient failures keep the message instead of nak-ing it, and
+            # intake.py answers one delivered more than max_deliveries times (never drops it).
+            max_deliver=-1,
+            # Every message held (in the core, queued for admission, being taken in) is unacked.
+            max_ack_pending=max(2 * (self.cfg.max_active + self.cfg.max_backlog), 100),
+        )
+        # Create, or update one an older scheduler made (it had max_deliver=5): pull_subscribe alone
+        # binds to an existing durable without changing it.
+        await self.js.add_consumer(self.subjects.intake_stream, config=consumer)
         self._pull = await self.js.pull_subscribe(
             self.subjects.intake,
             durable=self.subjects.intake_durable,
             stream=self.subjects.intake_stream,
-            config=ConsumerConfig(
-                ack_policy=AckPolicy.EXPLICIT,
-                ack_wait=self.cfg.ack_wait_s,
-                max_deliver=5,
-                max_ack_pending=max(self.cfg.max_active * 2, 100),
-            ),
+            config=consumer,
         )
+        # Each executor publishes on its own events subject; ``_on_event`` holds it to that.
         self._subs.append(await self.nc.subscribe(self.subjects.sched_events, cb=self._on_event))
         log.info("scheduler ready (namespace %s)", self.subjects.ns)
 
@@ -130,73 +165,83 @@ class SchedulerService:
             except Exception:  # noqa: BLE001 - connection may be gone
                 pass
         self._subs.clear()
-        for t in list(self._tasks):
+        # Results being sent get a moment to go out and be acked (then only their Redis copy is
+        # cut short); requests still being taken in stay unacked: the next scheduler gets them.
+        if self._finishing:
+            await asyncio.wait(self._finishing, timeout=2.0)
+        for t in [*self._tasks, *self._finishing, *self.intake.taking.values()]:
             t.cancel()
 
     # -- intake ---------------------------------------------------------------------------------------
     async def intake_loop(self) -> None:
+        """Pull requests into the backlog, and admit them from it to the core (``admission.py``)."""
+        await run_all(self._pull_loop(), self._admission_loop())
+
+    async def _pull_loop(self) -> None:
         while self._pull is not None:
-            room = self.cfg.max_active - self.core.active
+            # At most max_active requests in the core and max_backlog more held here.
+            held = self.core.active + self.intake.held
+            room = self.cfg.max_active + self.cfg.max_backlog - held
             if room <= 0:
                 await asyncio.sleep(self.cfg.tick_s)  # backpressure: requests wait in JetStream
                 continue
             try:
-                msgs = await self._pull.fetch(batch=min(room, 32), timeout=1.0)  # type: ignore[union-attr]
+                msgs = await self._pull.fetch(batch=min(room, 128), timeout=1.0)  # type: ignore[union-attr]
             except (NatsTimeoutError, TimeoutError):
                 continue
-            for m in msgs:
-                try:
-                    await self.on_intake(m)
-                except Exception:  # noqa: BLE001 - one bad request must not stop intake
-                    log.exception("intake of a request failed; it will be redelivered")
+            except Exception as e:
+                if not is_transient(e):
+                    raise  # the consumer is gone, say: the process exits and is restarted
+                log.warning("fetching from the intake failed: %s: %s", type(e).__name__, e)
+                await asyncio.sleep(self.cfg.tick_s)
+                continue
+            await self.intake.on_batch(msgs)
 
-    async def on_intake(self, m: Msg) -> None:
-        try:
-            req = intake_decoder.decode(m.data)
-        except msgspec.DecodeError as e:
-            log.error("dropped a malformed image request: %s", e)
-            await m.term()
-            return
-        if not REQUEST_ID.match(req.request_id) or not req.tenant:
-            log.error("dropped an image request with a bad id %r or no tenant", req.request_id)
-            await m.term()
-            return
-        rid = req.request_id
-        if rid in self.core.runs:  # redelivered while in progress: keep the newest handle
-            self._intake_msgs[rid] = m
-            return
-        state = await self.redis.hgetall(self.keys.request(rid))
-        if state.get(b"status") in (b"succeeded", b"failed") and b"result" in state:
-            # Finished before a crash lost the ack: answer again instead of recomputing.
-            await self.nc.publish(self.subjects.result(rid), state[b"result"])
-            await m.ack()
-            return
-        try:
-            spec = await self.registry.get(req.workflow, req.version)
-            params = resolve_params(spec, req.params)
-            dag = unroll(spec, params)
-        except RegistryUnavailable as e:
-            log.warning("registry unavailable for %s: %s; retrying later", rid, e)
-            await m.nak(delay=1.0)
-            return
-        except (WorkflowNotFound, ParamError) as e:
-            code = "bad_params" if isinstance(e, ParamError) else "workflow"
-            await self._finish(RequestResult(rid, "failed", error=str(e), error_code=code), req.tenant, m)
-            return
-        attempt = int(await self.redis.hincrby(self.keys.request(rid), "attempt", 1))
-        if attempt > 1:
-            # A previous scheduler worked on this request: free whatever it left on executors.
-            await self.nc.publish(self.subjects.executors_all, encode(ReleaseRequest(rid, -1)))
-        self._intake_msgs[rid] = m
+    async def _admission_loop(self) -> None:
+        """Admit queued requests while the core has room, in the policy's order; answer those whose
+        deadline passes in the queue. Woken when a request is queued or leaves the core."""
+        rank = rank_for(self.cfg.policy, self.cfg.slack_s)
+        wake = self.intake.wake
+        last_expiry = 0.0
+        while True:
+            try:
+                await asyncio.wait_for(wake.wait(), self.cfg.tick_s)
+            except TimeoutError:
+                pass
+            wake.clear()
+            now = time.monotonic()
+            try:
+                if now - last_expiry >= self.cfg.tick_s:
+                    last_expiry = now
+                    self.intake.expire_queued(now)
+                room = self.cfg.max_active - self.core.active
+                if room > 0 and len(self.intake.backlog):
+                    # A few at a time (each runs a scheduling round), then let the loop breathe.
+                    self.intake.admit_queued(min(room, 64), rank, self.core.accounts.tenants, now)
+                    if room > 64 and len(self.intake.backlog):
+                        wake.set()
+            except Exception:  # noqa: BLE001 - a bug: logged; the queue is tried again next wake
+                log.exception("admitting queued requests failed")
+            await asyncio.sleep(0)
+
+    def _admit(self, req: ImageRequest, dag: Dag, attempt: int, deadline: float) -> None:
         now = time.monotonic()
-        self._apply(self.core.add_request(req, dag, attempt=attempt, now=now) + self.core.schedule(now))
+        self._apply(self.core.add_request(req, dag, attempt=attempt, now=now, deadline=deadline))
+        try:
+            self._apply(self.core.schedule(now))
+        except Exception:  # noqa: BLE001 - a core bug: the request is in; the next tick schedules it
+            log.exception("scheduling after taking %s in failed", req.request_id)
 
     # -- events ---------------------------------------------------------------------------------------
     async def _on_event(self, msg: Msg) -> None:
+        sender = self.subjects.events_sender(msg.subject)
         try:
             ev = sched_decoder.decode(msg.data)
         except msgspec.DecodeError as e:
-            log.warning("dropped a malformed event: %s", e)
+            self._on_bad_event(msg.data, e, sender)
+            return
+        if ev.executor != sender:
+            self._drop_forged(type(ev).__name__, ev.executor, sender)
             return
         now = time.monotonic()
         try:
@@ -213,13 +258,41 @@ class SchedulerService:
         except Exception:  # noqa: BLE001 - one bad event (or a core bug) is logged; the loop lives on
             log.exception("handling %s failed", type(ev).__name__)
 
+    def _drop_forged(self, what: str, claimed: str, sender: str) -> None:
+        """An event claiming another executor than its subject names: dropped (a forgery, or a bug)."""
+        self.forged_events += 1
+        log.warning(
+            "dropped a %s claiming executor %r on the events subject of %r (%d dropped so far)",
+            what, claimed, sender, self.forged_events,
+        )  # fmt: skip
+
+    def _on_bad_event(self, data: bytes, e: msgspec.DecodeError, sender: str) -> None:
+        """An event that did not validate is dropped; if it is a completion (say, with a negative or
+        non-finite time), the node it names is treated as lost and runs again."""
+        try:
+            ev = msgspec.json.decode(data, type=_NodeEvent)
+            node = NodeRef(ev.request_id, ev.attempt, ev.node_id) if ev.type == "node_complete" else None
+        except (msgspec.DecodeError, UnicodeDecodeError, ValueError):
+            node = None
+        if node is None or not ev.executor:
+            log.warning("dropped a malformed event: %s", e)
+            return
+        if ev.executor != sender:
+            self._drop_forged(f"malformed {ev.type}", ev.executor, sender)
+            return
+        now = time.monotonic()
+        try:
+            self._apply(self.core.reject_completion(node, ev.executor, now, str(e)) + self.core.schedule(now))
+        except Exception:  # noqa: BLE001 - a core bug: logged, the loop lives on
+            log.exception("handling the bad completion of %s failed", node)
+
     # -- effects ----------------------------------------------------------------------------------------
     def _apply(self, effects: list[Effect]) -> None:
         for e in effects:
             if isinstance(e, SendDispatch):
-                t = asyncio.create_task(self._send_dispatch(e))
-                self._tasks.add(t)
-                t.add_done_callback(self._tasks.discard)
+                self._spawn(self._send_dispatch(e))
+            elif isinstance(e, Finished):  # at once: a Redis outage must not hold the answer up
+                self._finish_soon(e.result, e.tenant, self.intake.handles.pop(e.result.request_id, None))
             else:
                 self._io.put_nowait(e)  # in order: a callback's metadata follows its dispatch
 
@@ -255,16 +328,19 @@ class SchedulerService:
                         await self._persist(e)
                     case SendCallback(executor=ex, msg=ready):
                         await self.nc.publish(self.subjects.executor(ex), encode(ready))
+                    case SendCancel(executor=ex, msg=cancel):
+                        await self.nc.publish(self.subjects.executor(ex), encode(cancel))
                     case ReleaseAttempt(attempt=ref):
                         await self.nc.publish(
                             self.subjects.executors_all, encode(ReleaseRequest(ref.request_id, ref.attempt))
                         )
-                    case Finished(result=result, tenant=tenant):
-                        await self._finish(result, tenant, self._intake_msgs.pop(result.request_id, None))
                     case _:
                         log.error("no handler for effect %r", e)  # a bug: every effect must be handled
-            except Exception:  # noqa: BLE001
-                log.exception("carrying out %s failed", type(e).__name__)
+            except Exception as ex:  # noqa: BLE001
+                if is_transient(ex):  # Redis or NATS briefly away: the in-memory state stays right
+                    log.warning("carrying out %s failed: %s: %s", type(e).__name__, type(ex).__name__, ex)
+                else:
+                    log.exception("carrying out %s failed", type(e).__name__)
 
     async def _persist(self, e: PersistRequest) -> None:
         key = self.keys.request(e.request_id)
@@ -279,27 +355,60 @@ class SchedulerService:
             pipe.delete(tkey)
         await pipe.execute()
 
+    def _spawn(self, coro, tasks: set[asyncio.Task] | None = None) -> None:
+        into = self._tasks if tasks is None else tasks
+        t = asyncio.create_task(coro)
+        into.add(t)
+        t.add_done_callback(into.discard)
+
+    def _finish_soon(self, result: RequestResult, tenant: str, m: Msg | None) -> None:
+        self._spawn(self._finish(result, tenant, m), self._finishing)
+        self.intake.wake.set()  # a request left the core (or the intake): room to admit another
+
     async def _finish(self, result: RequestResult, tenant: str, m: Msg | None) -> None:
+        """Publish the result, ack the intake message, then store the result in Redis (retried)."""
+        rid = result.request_id
         data = encode(result)
-        key = self.keys.request(result.request_id)
-        await self.redis.hset(key, mapping={"status": result.status, "result": data, "tenant": tenant})
-        await self.redis.expire(key, self.cfg.request_ttl_s)
-        await self.nc.publish(self.subjects.result(result.request_id), data)
+        try:
+            await self.nc.publish(self.subjects.result(rid), data)
+        except Exception as ex:  # noqa: BLE001 - the gateway also polls Redis for it
+            log.warning("publishing the result of %s failed: %s; it goes to Redis", rid, ex)
         if m is not None:
             try:
-                await m.ack()
-            except Exception as ex:  # noqa: BLE001 - the result is out; a lost ack only means a redelivery
-                log.warning("ack of %s failed: %s", result.request_id, ex)
+                await retry_transient(m.ack, f"acking {rid}", backoff=self._backoff(), give_up_after_s=10.0)
+            except Exception as ex:  # noqa: BLE001 - a redelivery finds the result in Redis
+                log.warning("ack of %s failed: %s", rid, ex)
         log.info(
             "request %s %s: %d nodes on %s, %d bytes moved, %.3fs executor time%s",
-            result.request_id,
+            rid,
             result.status,
             result.nodes,
             ",".join(result.executors) or "-",
             result.bytes_moved,
             result.gpu_s,
-            f" ({result.error})" if result.error else "",
+            f" ({result.error_code}: {result.error})" if result.error else "",
         )
+        key = self.keys.request(rid)
+
+        async def store() -> None:
+            pipe = self.redis.pipeline(transaction=False)  # both idempotent; MULTI is not in its ACL
+            fields = {"status": result.status, "result": data} | ({"tenant": tenant} if tenant else {})
+            pipe.hset(key, mapping=fields)
+            pipe.expire(key, self.cfg.request_ttl_s)
+            await pipe.execute()
+
+        try:
+            await retry_transient(
+                store,
+                f"storing the result of {rid}",
+                backoff=self._backoff(),
+                give_up_after_s=self.cfg.result_retry_s,
+            )
+        except Exception:  # noqa: BLE001 - the result was published and the message acked
+            log.exception("storing the result of %s in Redis failed for good", rid)
+
+    def _backoff(self) -> Backoff:
+        return Backoff(self.cfg.retry_initial_s, self.cfg.retry_max_s)
 
     # -- timers ---------------------------------------------------------------------------------------------
     async def tick_loop(self) -> None:
@@ -334,12 +443,12 @@ class SchedulerService:
                 log.info("tenant %s: %s", tenant, " ".join(f"{k}={v[k]}" for k in sorted(v)))
 
     async def progress_loop(self) -> None:
-        """Keep in-progress intake messages from being redelivered while their request runs."""
+        """Keep intake messages from being redelivered while their request is taken in or runs."""
         while True:
             await asyncio.sleep(self.cfg.ack_wait_s / 3)
-            for rid, m in list(self._intake_msgs.items()):
-                if rid in self.core.runs:
-                    try:
-                        await m.in_progress()
-                    except Exception as e:  # noqa: BLE001
-                        log.warning("in_progress for %s failed: %s", rid, e)
+            # Every request taken in and not answered yet: running, or its take-in retrying.
+            for rid, m in list(self.intake.handles.items()):
+                try:
+                    await m.in_progress()
+                except Exception as e:  # noqa: BLE001
+                    log.warning("in_progress for %s failed: %s", rid, e)

@@ -19,6 +19,7 @@ from libs.protocol.messages import (
     NodeComplete,
     OutputPlan,
     ReleaseRequest,
+    ReleaseTensors,
     ack_decoder,
     encode,
     sched_decoder,
@@ -98,3 +99,24 @@ async def test_a_dispatched_node_completes_and_a_release_frees_its_attempt(execu
     await nc.publish(subjects.executor(EXECUTOR), encode(ReleaseRequest("r", 3)))
     await until(lambda: len(service.runner.callbacks) == 0)
     assert AttemptRef("r", 2) not in service._attempts.get("r", set())  # noqa: SLF001
+
+
+async def test_peers_release_tensors_on_the_release_subject_only(executor) -> None:
+    """``exec.<id>`` is the scheduler's (executors may not publish there); a consumer's
+    ``ReleaseTensors`` goes to ``exec.<id>.release``, which takes nothing else."""
+    service, nc, subjects, events = executor
+    d = Dispatch("r", 1, "n", "t", "toy.fn", "m", {}, [OutputPlan("a", 1)])
+    assert ack_decoder.decode((await nc.request(subjects.executor(EXECUTOR), encode(d), timeout=10)).data).ok
+    await until(lambda: any(isinstance(e, NodeComplete) for e in events))
+    tid = NodeRef("r", 1, "n").output("a").encode()
+    assert tid in service.store._live  # noqa: SLF001
+    await nc.publish(subjects.executor(EXECUTOR), encode(ReleaseTensors([tid])))  # refused there
+    # A dispatch on the release subject is not one: nothing runs, nobody answers.
+    d2 = Dispatch("r", 1, "n2", "t", "toy.fn", "m", {}, [OutputPlan("a", 1)])
+    await nc.publish(subjects.executor_release(EXECUTOR), encode(d2))
+    await nc.flush()
+    await asyncio.sleep(0.3)
+    assert tid in service.store._live and service.current is None  # noqa: SLF001
+    assert sum(isinstance(e, NodeComplete) for e in events) == 1
+    await nc.publish(subjects.executor_release(EXECUTOR), encode(ReleaseTensors([tid])))
+    await until(lambda: tid not in service.store._live)  # noqa: SLF001

@@ -1,7 +1,9 @@
 """A node over the executor's time limit fails (retryable, so the scheduler runs it elsewhere): a
 simulated executor cancels it and goes on serving; a runner whose node cannot be stopped (a thread
 inside ``execute``) makes the executor end its run loop, so the process exits and its supervisor
-restarts it."""
+restarts it. The scheduler's ``CancelNode`` does the same on request: at once for a simulated
+runner, by a restart for a stuck one when the scheduler allows it (``restart_ok``); a cancel of a
+node the executor is not running is ignored."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import pytest
 from libs.common.jetstream import ensure_images_bucket
 from libs.common.nats_conn import connect
 from libs.protocol.messages import (
+    CancelNode,
     Dispatch,
     NodeComplete,
     NodeFailed,
@@ -68,7 +71,7 @@ async def until(condition, within: float = 10.0) -> None:
         await asyncio.sleep(0.01)
 
 
-async def service_with(common, runner_cls) -> AsyncIterator[tuple]:
+async def service_with(common, runner_cls, limit_s: float = LIMIT_S) -> AsyncIterator[tuple]:
     nc = await connect(common.nats_url, "test-executor-limits")
     subjects = Subjects(common.namespace)
     events: list = []
@@ -89,7 +92,7 @@ async def service_with(common, runner_cls) -> AsyncIterator[tuple]:
         images=await ensure_images_bucket(nc.jetstream(), subjects),
         fns=["toy.fn"],
         heartbeat_s=60,
-        node_timeout_s=LIMIT_S,
+        node_timeout_s=limit_s,
     )
     await service.start()
     try:
@@ -118,6 +121,24 @@ async def simulated(common):
 async def stuck(common):
     async for x in service_with(common, StuckRunner):
         yield x
+
+
+@pytest.fixture
+async def unlimited(common):
+    """No time limit of its own: only the scheduler's CancelNode stops a node."""
+    async for x in service_with(common, SimRunner, limit_s=0.0):
+        yield x
+
+
+@pytest.fixture
+async def stuck_unlimited(common):
+    async for x in service_with(common, StuckRunner, limit_s=0.0):
+        yield x
+
+
+async def cancel(nc, subjects, node: str, restart_ok: bool = False) -> None:
+    await nc.publish(subjects.executor("sim-limit"), encode(CancelNode("r", 1, node, restart_ok)))
+    await nc.flush()
 
 
 async def test_a_simulated_node_over_the_limit_fails_retryably_and_the_executor_serves_on(simulated) -> None:
@@ -154,3 +175,46 @@ async def test_an_attempt_whose_release_never_came_is_freed_after_its_ttl(simula
     assert store.stats()["tensors"] == 1
     assert service.sweep_attempts(time.monotonic() + 61) == 1  # the release was lost: freed
     assert store.stats()["tensors"] == 0 and store.stats()["used"] == 0
+
+
+async def test_a_never_ending_node_is_stopped_by_the_schedulers_cancel_and_the_executor_serves_on(
+    unlimited,
+) -> None:
+    service, _, nc, subjects, events = unlimited
+    assert await dispatch(nc, subjects, "n1", "slow")  # 3600 s, and no limit here
+    await until(lambda: service.current is not None)
+    await cancel(nc, subjects, "other")  # not the node it runs: ignored
+    await cancel(nc, subjects, "n1")
+    t0 = time.monotonic()
+    await until(lambda: any(isinstance(e, NodeFailed) for e in events), 5.0)
+    assert time.monotonic() - t0 < 2.0
+    (failed,) = [e for e in events if isinstance(e, NodeFailed)]
+    assert (failed.executor, failed.node_id) == ("sim-limit", "n1")
+    assert failed.retryable and failed.error == "cancelled by the scheduler"
+    assert service.cancelled == 1 and service.current is None
+
+    assert await dispatch(nc, subjects, "n2", "m")  # stopped cleanly: free again
+    await until(lambda: any(isinstance(e, NodeComplete) and e.node_id == "n2" for e in events))
+    await cancel(nc, subjects, "n2")  # it finished already: nothing to stop
+    await asyncio.sleep(0.2)
+    assert service.cancelled == 1 and sum(isinstance(e, NodeFailed) for e in events) == 1
+
+
+async def test_a_cancel_the_runner_cannot_carry_out_restarts_the_executor_only_when_allowed(
+    stuck_unlimited,
+) -> None:
+    service, _, nc, subjects, events = stuck_unlimited
+    run = asyncio.create_task(service.run())
+    assert await dispatch(nc, subjects, "n1", "m")
+    await until(lambda: service.current is not None)
+    await cancel(nc, subjects, "n1")  # a request that ended: not worth a restart
+    await asyncio.sleep(0.3)
+    assert not any(isinstance(e, NodeFailed) for e in events)
+    assert not run.done() and service.current is not None
+    await cancel(nc, subjects, "n1", restart_ok=True)  # over the scheduler's time limit
+    await until(lambda: any(isinstance(e, NodeFailed) for e in events), 5.0)
+    (failed,) = [e for e in events if isinstance(e, NodeFailed)]
+    assert failed.retryable and failed.error == "cancelled by the scheduler"
+    assert not await dispatch(nc, subjects, "n2", "m"), "a wedged executor accepted more work"
+    with pytest.raises(RuntimeError, match="restarts this executor"):
+        await asyncio.wait_for(run, 10)

@@ -73,7 +73,7 @@ def start(broker_urls, tmp_path, policy: str) -> Stack:
             "T2I_SCHEDULER_SLACK_S": str(SLACK_S),
             "T2I_SCHEDULER_VIEW_S": "0.02",
         },
-        gateway_env={"T2I_GATEWAY_MAX_INFLIGHT": "1000"},
+        gateway_env={"T2I_GATEWAY_MAX_INFLIGHT": "1000", "T2I_GATEWAY_TENANT_INFLIGHT": "1000"},
     )
     stack.start()
     for fam in DIT_S:
@@ -204,7 +204,7 @@ def test_sixty_four_simulated_gpus_in_one_process_serve_a_burst(broker_urls, tmp
         api_keys="sk-cheap=cheap:admin",
         nats_url=nats_url,
         redis_url=redis_url,
-        gateway_env={"T2I_GATEWAY_MAX_INFLIGHT": "1000"},
+        gateway_env={"T2I_GATEWAY_MAX_INFLIGHT": "1000", "T2I_GATEWAY_TENANT_INFLIGHT": "1000"},
     )
     stack.start()
     try:

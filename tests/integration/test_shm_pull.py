@@ -18,10 +18,20 @@ import pytest
 import torch
 
 from libs.dataplane.arena import segment_exists, segment_name
-from libs.dataplane.errors import TransportError
+from libs.dataplane.errors import StaleTensorError, TransportError
 from libs.dataplane.store import TensorStore
 from libs.dataplane.transport import ShmTransport, TcpTransport, Transport
-from libs.dataplane.transport.tcp import REPLY, REQUEST, REQUEST_MAGIC, STATUS_BAD_REQUEST, STATUS_OK, VERSION
+from libs.dataplane.transport.wire import (
+    REPLY,
+    REQUEST,
+    REQUEST_MAGIC,
+    STATUS_BAD_REQUEST,
+    STATUS_OK,
+    TRAILER,
+    VERSION,
+    client_handshake,
+    resolve_token,
+)
 from libs.protocol.tensor_meta import TensorMeta, decode_meta, encode_meta
 
 REPO = Path(__file__).resolve().parents[2]
@@ -64,6 +74,11 @@ def _producer_main(conn: Connection, kind: str, namespace: str, capacity: int) -
                 conn.send(("meta", encode_meta(meta)))
             elif cmd == "release":
                 conn.send(("released", store.release(args[0]), store.stats()))
+            elif cmd == "reuse":  # free a tensor and put another one, in the same block
+                old_id, new_id, shape, seed = args
+                store.release(old_id)
+                meta = store.put(new_id, _expected(shape, seed), consumers=1, group="r2")
+                conn.send(("meta", encode_meta(meta)))
             elif cmd == "stats":
                 conn.send(("stats", store.stats()))
             else:
@@ -136,6 +151,22 @@ def test_a_tensor_put_by_another_process_is_pulled_bitwise_and_freed_after_relea
     _, freed, stats = producer.ask("release", meta.tensor_id)
     assert freed is True
     assert stats["used"] == 0 and stats["tensors"] == 0
+
+
+def test_a_stale_meta_from_another_process_raises_stale_tensor_never_the_new_bytes(
+    producer: Producer, namespace: str
+) -> None:
+    old = decode_meta(producer.ask("put", "r1/1/a@0/out", [64, 64], 1)[1])
+    new = decode_meta(producer.ask("reuse", old.tensor_id, "r2/1/b@0/out", [64, 64], 2)[1])
+    assert new.offset == old.offset and new.generation > old.generation  # the block was reused
+    with _make_transport(old.transport, namespace, "consumer", 64 * MIB) as transport:
+        consumer = TensorStore("consumer", transport)
+        with pytest.raises(StaleTensorError, match="r1/1/a@0/out") as caught:
+            consumer.open(old)
+        assert not caught.value.retryable and caught.value.tensor_id == old.tensor_id
+        assert consumer.stats()["used"] == 0
+        with consumer.open(new) as lease:
+            assert torch.equal(lease.tensor, _expected([64, 64], 2))
 
 
 _CONSUMER_SCRIPT = """
@@ -240,20 +271,33 @@ def _raw_exchange(sock: socket.socket, request: bytes) -> tuple[int, bytes]:
     header = sock.recv(REPLY.size, socket.MSG_WAITALL)
     magic, version, status, length = REPLY.unpack(header)
     assert magic == b"T2IA" and version == VERSION
-    return status, sock.recv(length, socket.MSG_WAITALL) if length else b""
+    body = sock.recv(length, socket.MSG_WAITALL) if length else b""
+    if status == STATUS_OK:  # data is followed by the trailer (the after-send tag check)
+        assert TRAILER.unpack(sock.recv(TRAILER.size, socket.MSG_WAITALL)) == (b"T2IE", STATUS_OK, 0)
+    return status, body
+
+
+def _raw_read(op: int, offset: int, nbytes: int, version: int = VERSION) -> bytes:
+    return REQUEST.pack(REQUEST_MAGIC, version, op, offset, nbytes, 0, 0, 0, 0)
+
+
+def _connect(port: int) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=BOUND)
+    client_handshake(sock, resolve_token(None), f"127.0.0.1:{port}", BOUND)
+    return sock
 
 
 def test_tcp_server_answers_malformed_requests_with_errors_and_survives() -> None:
     with TcpTransport("127.0.0.1", capacity=64 * 1024) as peer:
         peer.arena.buf[:4] = b"ok!!"
-        with socket.create_connection(("127.0.0.1", peer.port), timeout=BOUND) as sock:
-            status, message = _raw_exchange(sock, REQUEST.pack(REQUEST_MAGIC, VERSION, 99, 0, 4))
+        with _connect(peer.port) as sock:
+            status, message = _raw_exchange(sock, _raw_read(99, 0, 4))
             assert status == STATUS_BAD_REQUEST and b"op" in message
-            status, message = _raw_exchange(sock, REQUEST.pack(REQUEST_MAGIC, 7, 1, 0, 4))
+            status, message = _raw_exchange(sock, _raw_read(1, 0, 4, version=7))
             assert status == STATUS_BAD_REQUEST and b"version" in message
-            status, data = _raw_exchange(sock, REQUEST.pack(REQUEST_MAGIC, VERSION, 1, 0, 4))
+            status, data = _raw_exchange(sock, _raw_read(1, 0, 4))
             assert (status, data) == (STATUS_OK, b"ok!!")
-        with socket.create_connection(("127.0.0.1", peer.port), timeout=BOUND) as sock:
+        with _connect(peer.port) as sock:
             status, message = _raw_exchange(
                 sock, (b"GET / HTTP/1.1\r\n" + b"x" * REQUEST.size)[: REQUEST.size]
             )

@@ -8,24 +8,38 @@ from __future__ import annotations
 from libs.dataplane.transport.base import Transport
 from libs.dataplane.transport.shm import ShmTransport
 from libs.dataplane.transport.tcp import TcpTransport
+from libs.dataplane.transport.wire import DEFAULT_MAX_CONNECTIONS, DEFAULT_TIMEOUT, TOKEN_ENV
 
-__all__ = ["Transport", "ShmTransport", "TcpTransport", "make_transport"]
+__all__ = ["TOKEN_ENV", "Transport", "ShmTransport", "TcpTransport", "make_transport"]
 
 
 def make_transport(
-    kind: str, *, namespace: str, executor_id: str, capacity: int, host: str = "127.0.0.1"
+    kind: str,
+    *,
+    namespace: str,
+    executor_id: str,
+    capacity: int,
+    host: str = "127.0.0.1",
+    token: str | bytes | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+    max_connections: int = DEFAULT_MAX_CONNECTIONS,
 ) -> Transport:
     """Build the transport an executor's config names.
 
-    ``"shm"``: arena in segment ``t2i-<namespace>-<executor_id>`` (peers on this host).
-    ``"tcp"``: heap arena served on ``host`` at a free port (peers anywhere).
+    ``"shm"``: arena in segment ``t2i-<namespace>-<executor_id>`` (peers on this host, of the
+    same user: the segment is mode 0600).
+    ``"tcp"``: heap arena served on ``host`` at a free port (peers anywhere). ``token`` is the
+    shared secret peers authenticate with (default ``$T2I_DATAPLANE_TOKEN``, ``""`` for none),
+    ``timeout`` bounds every socket operation, ``max_connections`` caps the server's connections.
     ``"nvshmem"`` needs world bootstrap arguments (rank, nranks, a UID exchange): construct
     ``libs.dataplane.transport.nvshmem.NvshmemTransport`` directly.
     """
     if kind == "shm":
         return ShmTransport(namespace, executor_id, capacity)
     if kind == "tcp":
-        return TcpTransport(host, 0, capacity=capacity)
+        return TcpTransport(
+            host, 0, capacity=capacity, token=token, timeout=timeout, max_connections=max_connections
+        )
     if kind == "nvshmem":
         raise ValueError(
             "the nvshmem transport needs bootstrap arguments (rank, nranks, exchange_uid): "

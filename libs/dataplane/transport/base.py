@@ -12,6 +12,7 @@ import abc
 from types import TracebackType
 
 from libs.dataplane.arena import Arena
+from libs.dataplane.transport.tags import TagTable
 from libs.protocol.errors import BadTensorMetaError
 from libs.protocol.tensor_meta import TensorMeta
 
@@ -33,12 +34,15 @@ class Transport(abc.ABC):
 
     Attributes: ``kind`` (goes into TensorMeta.transport), ``arena`` (the local arena, where
     our tensors live and where pulled copies land), ``address`` (goes into TensorMeta.address:
-    how peers reach our arena). Thread-safe: reads may run concurrently from several threads.
+    how peers reach our arena), ``tags`` (the arena's integrity tags, stamped by the store and
+    readable by peers: ``transport/tags.py``). Thread-safe: reads may run concurrently from
+    several threads.
     """
 
     kind: str
     arena: Arena
     address: str
+    tags: TagTable
 
     @abc.abstractmethod
     def read(self, meta: TensorMeta, dst: memoryview) -> None:
@@ -46,7 +50,10 @@ class Transport(abc.ABC):
 
         One-sided: no code of the producer's process runs for it (TCP is the exception: a
         server thread in the producer answers). Raises TransportError if the peer cannot be
-        read (gone, unreachable, range outside its arena).
+        read (gone, unreachable, range outside its arena). When ``meta.generation`` is set the
+        producer's tag is checked after the copy (TCP's server checks before sending too):
+        StaleTensorError if the tensor is no longer the one the metadata names, in which case
+        ``dst`` holds garbage that must not be used.
         """
 
     def read_into(self, meta: TensorMeta, offset: int) -> None:
@@ -59,6 +66,7 @@ class Transport(abc.ABC):
 
     def close(self) -> None:
         """Stop serving and release the arena and peer connections; idempotent."""
+        self.tags.close()
         self.arena.close()
 
     def _check(self, meta: TensorMeta, dst: memoryview) -> memoryview:

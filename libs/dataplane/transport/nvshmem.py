@@ -12,6 +12,10 @@ Bootstrap is UID-based (no MPI): rank 0 creates the 128-byte unique id and the c
 ``init`` until all ``nranks`` have joined. The world is fixed at init (re-init in one process is
 unreliable), so scaling down means routing no more work to a PE, not leaving the world.
 
+Integrity tags (``tags.py``) live in a second symmetric allocation of ``(slots + 1) * 16`` bytes
+(at most 1 MiB): slot ``s`` of PE ``p`` is read with one 16-byte ``getmem`` after the tensor's,
+into the extra last entry of our own table (a staging area no tensor uses).
+
 ``nvshmem`` (nvshmem4py), ``cuda.core`` and torch are imported lazily inside the class so this
 module imports on machines without them; constructing the transport there raises a
 DataPlaneError that says what is missing. Not exercised by CPU CI (marker ``nvshmem``).
@@ -20,12 +24,14 @@ DataPlaneError that says what is missing. Not exercised by CPU CI (marker ``nvsh
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable
 from typing import Any
 
 from libs.dataplane.arena import Arena
 from libs.dataplane.errors import ArenaClosedError, DataPlaneError, TransportError
 from libs.dataplane.transport.base import Transport
+from libs.dataplane.transport.tags import TAG, TagTable, check_tag, expected_tag, slots_for, stale
 from libs.protocol.tensor_meta import TensorMeta
 
 #: Headroom added to NVSHMEM_SYMMETRIC_SIZE beyond the arena (NVSHMEM's own symmetric objects).
@@ -76,6 +82,30 @@ class NvshmemArena(Arena):
         # Freeing symmetric memory is collective; a lone executor leaving must not call it (it
         # would hang waiting for the other PEs). NvshmemTransport.finalize() frees it for all.
         pass
+
+
+class DeviceTagTable(TagTable):
+    """A tag table in the first ``slots`` entries of a symmetric uint8 CUDA tensor. Writes are
+    synchronous host-to-device copies on the current stream, so a stamp lands after the tensor's
+    bytes (copied on the same stream) and a clear before the block is reused."""
+
+    def __init__(self, symmetric: Any, slots: int, *, name: str, torch: Any) -> None:
+        super().__init__(None, slots, name=name)
+        self._symmetric: Any = symmetric
+        self._torch = torch
+
+    def _write(self, slot: int, data: bytes) -> None:
+        if self._symmetric is not None:
+            src = self._torch.frombuffer(bytearray(data), dtype=self._torch.uint8)
+            self._symmetric[slot * TAG.size : (slot + 1) * TAG.size].copy_(src)
+
+    def _read(self, slot: int) -> bytes:
+        if self._symmetric is None:
+            return bytes(TAG.size)
+        return bytes(self._symmetric[slot * TAG.size : (slot + 1) * TAG.size].cpu().numpy())
+
+    def close(self) -> None:
+        self._symmetric = None
 
 
 class NvshmemTransport(Transport):
@@ -143,11 +173,18 @@ class NvshmemTransport(Transport):
             # Blocks until all nranks PEs have called init with the same uid.
             nvshmem.init(device=device, uid=uid, rank=rank, nranks=nranks, initializer_method="uid")
             symmetric = nvshmem.bytetensor((capacity,))  # collective: every PE, same size
+            slots = slots_for(capacity, min_block)
+            tags = nvshmem.bytetensor(((slots + 1) * TAG.size,))  # collective; last entry: staging
+            tags.zero_()  # every slot empty (generation 0) before any peer can read one
+            torch.cuda.synchronize()
         except Exception as exc:  # NvshmemError / NvshmemInvalid: say why, as our error type
             raise DataPlaneError(f"NVSHMEM init of PE {rank}/{nranks} failed: {exc}") from exc
         if int(nvshmem.my_pe()) != rank:
             raise DataPlaneError(f"NVSHMEM assigned PE {nvshmem.my_pe()} but this executor is rank {rank}")
         self.arena: NvshmemArena = NvshmemArena(f"nvshmem-pe{rank}", symmetric, min_block)
+        self._tag_memory = tags
+        self.tags: DeviceTagTable = DeviceTagTable(tags, slots, name=self.arena.name, torch=torch)
+        self._staging_lock = threading.Lock()
         self.address = str(rank)
         self._finalized = False
 
@@ -164,7 +201,8 @@ class NvshmemTransport(Transport):
         """One-sided get of ``meta.nbytes`` from PE ``meta.address`` into our arena at ``offset``.
 
         Issued on the current CUDA stream; returns once the bytes have landed (an event on that
-        stream is synchronised), so the caller may hand the block to any stream.
+        stream is synchronised), so the caller may hand the block to any stream. Then the
+        tensor's tag is fetched from the peer and checked (StaleTensorError on a mismatch).
         """
         self._check_kind(meta)
         pe = self._pe(meta)
@@ -190,6 +228,28 @@ class NvshmemTransport(Transport):
         done = torch.cuda.Event()
         done.record(stream)
         done.synchronize()
+        if meta.generation:
+            self._check_tag(meta, pe)
+
+    def _check_tag(self, meta: TensorMeta, pe: int) -> None:
+        """Fetch slot ``meta.tag_slot`` of PE ``pe``'s tag table (after the data: NVSHMEM orders
+        gets on one stream) and check it."""
+        if not 0 <= meta.tag_slot < self.tags.slots:  # symmetric: the peer's table is ours in size
+            raise stale(meta, f"tag slot {meta.tag_slot} is outside the table of {self.tags.slots}")
+        torch = self._torch
+        base = int(self._tag_memory.data_ptr())
+        staging = self.tags.slots * TAG.size
+        with self._staging_lock:
+            stream = torch.cuda.current_stream()
+            try:
+                self._bindings.getmem_on_stream(
+                    base + staging, base + meta.tag_slot * TAG.size, TAG.size, pe, int(stream.cuda_stream)
+                )
+            except Exception as exc:
+                raise TransportError(meta.address, f"nvshmem getmem of the tag failed: {exc}") from exc
+            stream.synchronize()
+            tag = bytes(self._tag_memory[staging : staging + TAG.size].cpu().numpy())
+        check_tag(meta, expected_tag(meta), TAG.unpack(tag))
 
     def read(self, meta: TensorMeta, dst: memoryview) -> None:
         """Pull into host memory: get into a staging block of our arena, then copy device-to-host."""
@@ -214,6 +274,8 @@ class NvshmemTransport(Transport):
             return
         self._finalized = True
         symmetric = self.arena.symmetric
+        self.tags.close()
         self.arena.close()
+        self._nvshmem.free_tensor(self._tag_memory)
         self._nvshmem.free_tensor(symmetric)
         self._nvshmem.finalize()

@@ -2,12 +2,19 @@
 
 There is no remote memory access over plain TCP, so each executor runs a small threaded server
 that answers "read ``nbytes`` at ``offset``" from its arena; the executor's own code is not
-involved (the server threads read the arena as a shared-memory peer would). Framing is a fixed
-binary header (network byte order):
+involved (the server threads read the arena as a shared-memory peer would). The frames and the
+handshake are in ``wire.py``.
 
-    request  = magic "T2IR" | version u16 | op u16 (1 = read) | offset u64 | nbytes u64   (24 bytes)
-    reply    = magic "T2IA" | version u16 | status u16        | length u64                 (16 bytes)
-               then ``length`` bytes: the data (status 0) or a UTF-8 error message.
+Security (docs/dataplane.md). With a shared token (``token=``, ``T2I_DATAPLANE_TOKEN`` or
+``T2I_DATAPLANE_TOKEN_FILE``) every connection authenticates both ways before any read (HMACs
+over two nonces; the token never crosses the wire); a bad MAC gets an error reply and the
+connection is closed. A server holds at most ``max_connections`` (excess ones get a "busy" hello
+and are closed), and every socket operation, each handshake as a whole and connecting are
+bounded by ``timeout``: a client that connects and sends nothing is dropped.
+
+Integrity: a request names the tensor's tag (slot, generation, key: ``tags.py``); the server
+checks it against its arena's tag table before sending (error reply: stale) and after (the
+trailer), so bytes of a block freed during the send are never used.
 
 Every header is validated on both sides. A malformed request gets an error reply, never a crash;
 a bad magic closes the connection (the stream can no longer be trusted to be framed).
@@ -15,73 +22,120 @@ a bad magic closes the connection (the stream can no longer be trusted to be fra
 
 from __future__ import annotations
 
+import hmac
 import logging
+import os
 import socket
-import struct
 import threading
+import time
 from collections import defaultdict
 
 from libs.dataplane.arena import HeapArena
-from libs.dataplane.errors import DataPlaneError, TransportError
-from libs.dataplane.transport.base import Transport
+from libs.dataplane.errors import DataPlaneError, PeerBusyError, TransportError
+from libs.dataplane.transport.base import COPY_CHUNK, Transport
+from libs.dataplane.transport.tags import TAG, TagTable, meta_key, slots_for, stale
+from libs.dataplane.transport.wire import (
+    AUTH,
+    AUTH_MAGIC,
+    AUTH_REPLY,
+    AUTH_REPLY_MAGIC,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_TIMEOUT,
+    FLAG_TOKEN,
+    HELLO,
+    HELLO_MAGIC,
+    MAX_ERROR_MESSAGE,
+    NO_MAC,
+    OP_READ,
+    REPLY,
+    REPLY_MAGIC,
+    REQUEST,
+    REQUEST_MAGIC,
+    STATUS_AUTH_FAILED,
+    STATUS_BAD_REQUEST,
+    STATUS_BUSY,
+    STATUS_OK,
+    STATUS_OUT_OF_RANGE,
+    STATUS_STALE,
+    STATUS_UNAVAILABLE,
+    TRAILER,
+    TRAILER_MAGIC,
+    VERSION,
+    client_handshake,
+    handshake_mac,
+    parse_address,
+    recv_exactly,
+    recv_frame,
+    resolve_token,
+)
 from libs.protocol.tensor_meta import TensorMeta
 
 log = logging.getLogger(__name__)
 
-REQUEST = struct.Struct("!4sHHQQ")
-REPLY = struct.Struct("!4sHHQ")
-REQUEST_MAGIC = b"T2IR"
-REPLY_MAGIC = b"T2IA"
-VERSION = 1
-OP_READ = 1
-
-STATUS_OK = 0
-STATUS_BAD_REQUEST = 1
-STATUS_OUT_OF_RANGE = 2
-STATUS_UNAVAILABLE = 3
-
-_MAX_ERROR_MESSAGE = 64 << 10
 _MAX_IDLE_PER_PEER = 4
+_BUSY_RETRIES = (0.05, 0.2, 0.5)  # seconds before each new try when a peer is at its connection cap
+_SMALL_REPLY = 64 << 10  # replies up to this size are copied and sent with one syscall
 
 
-def parse_address(address: str) -> tuple[str, int]:
-    """Split ``"host:port"`` (or ``"[v6addr]:port"``); raises TransportError if malformed."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise TransportError(address, "address must be 'host:port'")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    return host, int(port)
+def _snapshot(data: memoryview) -> bytes:
+    """A copy of a small block, sent with its header and trailer in one go."""
+    return bytes(data)
 
 
-def _recv_exactly(sock: socket.socket, view: memoryview) -> bool:
-    """Fill ``view`` from ``sock``; False if the peer closed before the first byte, else raises."""
-    got = 0
-    n = view.nbytes
-    while got < n:
-        k = sock.recv_into(view[got:], n - got)
-        if k == 0:
-            if got == 0:
-                return False
-            raise ConnectionError(f"connection closed after {got} of {n} bytes")
-        got += k
-    return True
+def _hang_up(sock: socket.socket) -> None:
+    """shutdown() (not just close()) is what wakes a thread blocked in recv() on Linux."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
+def _send_chunks(sock: socket.socket, data: memoryview) -> None:
+    """sendall in COPY_CHUNK pieces: a socket timeout bounds each piece, not the whole tensor."""
+    for start in range(0, data.nbytes, COPY_CHUNK):
+        sock.sendall(data[start : start + COPY_CHUNK])
 
 
 class _Server:
     """Accepts connections and answers read requests from ``arena`` with one thread per connection."""
 
-    def __init__(self, arena: HeapArena, host: str, port: int) -> None:
+    def __init__(
+        self,
+        arena: HeapArena,
+        tags: TagTable,
+        host: str,
+        port: int,
+        *,
+        token: bytes | None,
+        max_connections: int,
+        timeout: float,
+    ) -> None:
         self._arena = arena
+        self._tags = tags
+        self._token = token
+        self._max_connections = max_connections
+        self._timeout = timeout
         self._listener = socket.create_server((host, port), backlog=64)
         self.port: int = self._listener.getsockname()[1]
         self._lock = threading.Lock()
         self._conns: dict[socket.socket, threading.Thread] = {}
+        # Authenticated connections waiting for their next request, and since when: at the cap the
+        # longest idle one is closed to make room (its client reconnects on its next read).
+        self._idle: dict[socket.socket, float] = {}
+        self._evicted: set[socket.socket] = set()  # hung up on, their threads not finished yet
         self._closed = False
+        self.refused = 0  # connections turned away because max_connections were open
+        self.rejected = 0  # connections that failed to authenticate
         self._accepter = threading.Thread(
             target=self._accept_loop, name=f"t2i-tcp-accept-{self.port}", daemon=True
         )
         self._accepter.start()
+
+    @property
+    def connections(self) -> int:
+        """Connections open now (authenticated or still handshaking)."""
+        with self._lock:
+            return len(self._conns)
 
     def _accept_loop(self) -> None:
         while True:
@@ -90,20 +144,62 @@ class _Server:
             except OSError:
                 return  # the listener was shut down by close()
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            thread = threading.Thread(target=self._serve, args=(conn,), name=f"t2i-tcp-{peer}", daemon=True)
+            thread = threading.Thread(
+                target=self._serve, args=(conn, peer), name=f"t2i-tcp-{peer}", daemon=True
+            )
+            victim: socket.socket | None = None
             with self._lock:
                 if self._closed:
                     conn.close()
                     return
-                self._conns[conn] = thread
-            thread.start()
+                busy = len(self._conns) - len(self._evicted) >= self._max_connections
+                if busy and self._idle:
+                    victim = min(self._idle, key=self._idle.__getitem__)
+                    del self._idle[victim]
+                    self._evicted.add(victim)
+                    busy = False
+                if not busy:
+                    self._conns[conn] = thread
+            if victim is not None:
+                _hang_up(victim)
+            if busy:
+                self._refuse(conn, peer)
+            else:
+                thread.start()
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _refuse(self, conn: socket.socket, peer: object) -> None:
+        self.refused += 1
+        if self.refused & (self.refused - 1) == 0:  # 1st, 2nd, 4th, ...: visible, never a flood
+            log.warning(
+                "tcp transport: refused %s: %d connections open (%d refused)",
+                peer,
+                self._max_connections,
+                self.refused,
+            )
+        conn.setblocking(False)  # 44 bytes into an empty socket buffer; never block the accept loop
+        try:
+            conn.send(HELLO.pack(HELLO_MAGIC, VERSION, STATUS_BUSY, 0, NO_MAC))
+        except OSError:
+            pass
+        conn.close()
+
+    def _serve(self, conn: socket.socket, peer: object) -> None:
         header = bytearray(REQUEST.size)
         try:
-            while _recv_exactly(conn, memoryview(header)):
-                if not self._answer(conn, header):
-                    break
+            conn.settimeout(self._timeout)
+            if self._handshake(conn, peer):
+                while True:
+                    with self._lock:
+                        if conn in self._evicted:
+                            break
+                        self._idle[conn] = time.monotonic()
+                    got = recv_exactly(conn, memoryview(header))
+                    with self._lock:
+                        self._idle.pop(conn, None)
+                    if not got or not self._answer(conn, header):
+                        break
+        except TimeoutError:
+            log.debug("tcp transport: dropped %s: silent for %.1fs", peer, self._timeout)
         except OSError:
             pass  # client went away mid-request; nothing to answer
         except Exception:  # a bug must not kill the server, only this connection
@@ -111,11 +207,34 @@ class _Server:
         finally:
             with self._lock:
                 self._conns.pop(conn, None)
+                self._idle.pop(conn, None)
+                self._evicted.discard(conn)
             conn.close()
+
+    def _handshake(self, conn: socket.socket, peer: object) -> bool:
+        """Hello, the client's auth frame, our reply; False (close) unless the client may read."""
+        deadline = time.monotonic() + self._timeout
+        nonce = os.urandom(32)
+        conn.sendall(HELLO.pack(HELLO_MAGIC, VERSION, STATUS_OK, FLAG_TOKEN if self._token else 0, nonce))
+        magic, version, _, client_nonce, mac = recv_frame(conn, AUTH, deadline)
+        conn.settimeout(self._timeout)
+        if magic != AUTH_MAGIC or version != VERSION:
+            conn.sendall(AUTH_REPLY.pack(AUTH_REPLY_MAGIC, VERSION, STATUS_BAD_REQUEST, NO_MAC))
+            return False
+        proof = NO_MAC
+        if self._token is not None:
+            if not hmac.compare_digest(mac, handshake_mac(self._token, b"client", nonce, client_nonce)):
+                self.rejected += 1
+                log.warning("tcp transport: %s failed to authenticate (%d so far)", peer, self.rejected)
+                conn.sendall(AUTH_REPLY.pack(AUTH_REPLY_MAGIC, VERSION, STATUS_AUTH_FAILED, NO_MAC))
+                return False
+            proof = handshake_mac(self._token, b"server", nonce, client_nonce)
+        conn.sendall(AUTH_REPLY.pack(AUTH_REPLY_MAGIC, VERSION, STATUS_OK, proof))
+        return True
 
     def _answer(self, conn: socket.socket, header: bytearray) -> bool:
         """Answer one request; False when the connection must be closed."""
-        magic, version, op, offset, nbytes = REQUEST.unpack(header)
+        magic, version, op, offset, nbytes, slot, _, generation, key = REQUEST.unpack(header)
         if magic != REQUEST_MAGIC:
             self._error(conn, STATUS_BAD_REQUEST, f"bad magic {bytes(magic)!r}")
             return False
@@ -133,34 +252,42 @@ class _Server:
                 f"range [{offset}, {offset + nbytes}) outside arena of {capacity} bytes",
             )
             return True
+        if generation and (reason := self._tags.check(slot, generation, key)) is not None:
+            self._error(conn, STATUS_STALE, reason)
+            return True
         try:
             data = self._arena.view(offset, nbytes)
         except (DataPlaneError, ValueError) as exc:
             self._error(conn, STATUS_UNAVAILABLE, str(exc))
             return True
+        header = REPLY.pack(REPLY_MAGIC, VERSION, STATUS_OK, nbytes)
+        small = nbytes <= _SMALL_REPLY  # copied, checked, then sent with one syscall
         with data:
-            conn.sendall(REPLY.pack(REPLY_MAGIC, VERSION, STATUS_OK, nbytes))
-            if nbytes:
-                conn.sendall(data)
+            if small:
+                header += _snapshot(data)
+            else:
+                conn.sendall(header)
+                _send_chunks(conn, data)
+        # The producer clears a tag before it frees the block: still there, the bytes were intact.
+        after = STATUS_STALE if generation and self._tags.check(slot, generation, key) else STATUS_OK
+        trailer = TRAILER.pack(TRAILER_MAGIC, after, 0)
+        conn.sendall(header + trailer if small else trailer)
         return True
 
     @staticmethod
     def _error(conn: socket.socket, status: int, message: str) -> None:
-        body = message.encode()[:_MAX_ERROR_MESSAGE]
+        body = message.encode()[:MAX_ERROR_MESSAGE]
         conn.sendall(REPLY.pack(REPLY_MAGIC, VERSION, status, len(body)) + body)
 
     def drop_connections(self) -> None:
         """Hang up on every client (they reconnect on their next read) and wait for the threads."""
         with self._lock:
             conns = dict(self._conns)
-        # shutdown() (not just close()) is what wakes a thread blocked in recv() on Linux.
         for sock in conns:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            _hang_up(sock)
         for thread in conns.values():
-            thread.join(timeout=5)
+            if thread.ident is not None:
+                thread.join(timeout=5)
 
     def close(self) -> None:
         with self._lock:
@@ -181,8 +308,15 @@ class TcpTransport(Transport):
 
     ``host`` is the interface to bind (tests use 127.0.0.1); ``port=0`` picks a free port.
     ``advertise_host`` is what peers should dial when it differs from ``host`` (binding
-    0.0.0.0 in a container). Client connections are pooled per peer and reused; a broken pooled
-    connection is retried once on a fresh one (reads are idempotent).
+    0.0.0.0 in a container). ``token`` is the shared secret every peer must hold (default
+    ``$T2I_DATAPLANE_TOKEN``; ``""`` for none even if that is set): it authenticates both the
+    clients of our server and the servers we read from. ``max_connections`` caps our server's
+    open connections; ``timeout`` bounds every socket operation on both sides and each
+    handshake, ``connect_timeout`` (default: ``timeout``) each connect.
+
+    Client connections are pooled per peer and reused (for at most ``timeout / 2`` idle: the
+    peer drops silent ones after ``timeout``); a broken pooled connection is retried once on a
+    fresh one (reads are idempotent).
     """
 
     kind = "tcp"
@@ -195,21 +329,39 @@ class TcpTransport(Transport):
         capacity: int,
         advertise_host: str | None = None,
         min_block: int = 256,
-        connect_timeout: float = 10.0,
-        io_timeout: float = 60.0,
+        token: str | bytes | None = None,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        timeout: float = DEFAULT_TIMEOUT,
+        connect_timeout: float | None = None,
     ) -> None:
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {max_connections}")
+        if timeout <= 0:
+            raise ValueError(f"timeout must be > 0, got {timeout}")
+        self._token = resolve_token(token)
         self.arena: HeapArena = HeapArena(capacity, min_block=min_block, name=f"tcp-{host}:{port}")
+        slots = slots_for(capacity, min_block)
+        self.tags = TagTable(memoryview(bytearray(slots * TAG.size)), slots, name=self.arena.name)
         try:
-            self._server = _Server(self.arena, host, port)
+            self._server = _Server(
+                self.arena,
+                self.tags,
+                host,
+                port,
+                token=self._token,
+                max_connections=max_connections,
+                timeout=timeout,
+            )
         except OSError:
+            self.tags.close()
             self.arena.close()
             raise
         shown = advertise_host or host
         self.address = f"[{shown}]:{self._server.port}" if ":" in shown else f"{shown}:{self._server.port}"
-        self.arena.name = f"tcp-{self.address}"
-        self._connect_timeout = connect_timeout
-        self._io_timeout = io_timeout
-        self._idle: defaultdict[str, list[socket.socket]] = defaultdict(list)
+        self.arena.name = self.tags.name = f"tcp-{self.address}"
+        self._connect_timeout = timeout if connect_timeout is None else connect_timeout
+        self._timeout = timeout
+        self._idle: defaultdict[str, list[tuple[socket.socket, float]]] = defaultdict(list)
         self._lock = threading.Lock()
         self._closed = False
 
@@ -217,30 +369,64 @@ class TcpTransport(Transport):
     def port(self) -> int:
         return self._server.port
 
+    @property
+    def authenticated(self) -> bool:
+        """Whether connections (ours and our server's) must authenticate with a token."""
+        return self._token is not None
+
     # --- client side ---------------------------------------------------------------------------
 
     def _checkout(self, address: str) -> tuple[socket.socket, bool]:
         """A connection to ``address``: (socket, reused-from-pool)."""
+        expired: list[socket.socket] = []
+        reused: socket.socket | None = None
         with self._lock:
             if self._closed:
                 raise TransportError(address, "transport is closed")
             idle = self._idle.get(address)
             if idle:
-                return idle.pop(), True
+                sock, since = idle.pop()  # the most recently used; the others are older
+                if since >= time.monotonic() - self._timeout / 2:
+                    reused = sock
+                else:  # the peer is about to drop them (or has): do not try them
+                    expired = [sock, *(s for s, _ in idle)]
+                    idle.clear()
+        for sock in expired:
+            sock.close()
+        if reused is not None:
+            return reused, True
+        for pause in (*_BUSY_RETRIES, None):
+            try:
+                return self._connect(address), False
+            except PeerBusyError:
+                if pause is None:
+                    raise
+                time.sleep(pause)  # the peer is alive, just full: a burst usually passes quickly
+        raise AssertionError("unreachable")
+
+    def _connect(self, address: str) -> socket.socket:
+        """A fresh, authenticated connection to ``address``."""
         host, port = parse_address(address)
         try:
             sock = socket.create_connection((host, port), timeout=self._connect_timeout)
         except OSError as exc:
             raise TransportError(address, f"cannot connect: {exc}") from exc
-        sock.settimeout(self._io_timeout)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return sock, False
+        try:
+            sock.settimeout(self._timeout)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            client_handshake(sock, self._token, address, self._timeout)
+        except BaseException as exc:
+            sock.close()
+            if isinstance(exc, OSError):
+                raise TransportError(address, f"handshake failed: {exc}") from exc
+            raise
+        return sock
 
     def _checkin(self, address: str, sock: socket.socket) -> None:
         with self._lock:
             idle = self._idle[address]
             if not self._closed and len(idle) < _MAX_IDLE_PER_PEER:
-                idle.append(sock)
+                idle.append((sock, time.monotonic()))
                 return
         sock.close()
 
@@ -248,21 +434,22 @@ class TcpTransport(Transport):
         """Close every idle connection to ``address`` (they are likely as stale as the one that broke)."""
         with self._lock:
             idle = self._idle.pop(address, [])
-        for sock in idle:
+        for sock, _ in idle:
             sock.close()
 
     def read(self, meta: TensorMeta, dst: memoryview) -> None:
         """Request ``[offset, offset+nbytes)`` from the peer ``meta.address`` and receive it into ``dst``.
 
         Raises TransportError when the peer is unreachable, answers with an error (e.g. range
-        outside its arena) or sends a malformed reply.
+        outside its arena) or sends a malformed reply; AuthenticationError on a token mismatch;
+        StaleTensorError when the peer's tag check fails before or after sending.
         """
         out = self._check(meta, dst)
         for attempt in (1, 2):
             sock, reused = self._checkout(meta.address)
             try:
                 self._request(sock, meta, out)
-            except TransportError:
+            except DataPlaneError:
                 sock.close()
                 raise
             except OSError as exc:
@@ -278,27 +465,48 @@ class TcpTransport(Transport):
         raise AssertionError("unreachable")
 
     def _request(self, sock: socket.socket, meta: TensorMeta, out: memoryview) -> None:
-        sock.sendall(REQUEST.pack(REQUEST_MAGIC, VERSION, OP_READ, meta.offset, meta.nbytes))
+        key = meta_key(meta) if meta.generation else 0
+        sock.sendall(
+            REQUEST.pack(
+                REQUEST_MAGIC,
+                VERSION,
+                OP_READ,
+                meta.offset,
+                meta.nbytes,
+                meta.tag_slot,
+                0,
+                meta.generation,
+                key,
+            )
+        )
         header = bytearray(REPLY.size)
-        if not _recv_exactly(sock, memoryview(header)):
+        if not recv_exactly(sock, memoryview(header)):
             raise ConnectionError("peer closed the connection before replying")
         magic, version, status, length = REPLY.unpack(header)
         if magic != REPLY_MAGIC or version != VERSION:
             raise TransportError(meta.address, f"malformed reply header {bytes(header)!r}")
         if status != STATUS_OK:
-            if length > _MAX_ERROR_MESSAGE:
+            if length > MAX_ERROR_MESSAGE:
                 raise TransportError(meta.address, f"error reply (status {status}) with oversized message")
             body = bytearray(length)
-            if length and not _recv_exactly(sock, memoryview(body)):
+            if length and not recv_exactly(sock, memoryview(body)):
                 raise ConnectionError("peer closed the connection mid-reply")
+            message = body.decode(errors="replace")
+            if status == STATUS_STALE:
+                raise stale(meta, message)
             # The connection is still framed; the caller closes it anyway (errors are rare).
-            raise TransportError(
-                meta.address, f"peer refused read (status {status}): {body.decode(errors='replace')}"
-            )
+            raise TransportError(meta.address, f"peer refused read (status {status}): {message}")
         if length != meta.nbytes:
             raise TransportError(meta.address, f"peer sent {length} bytes, expected {meta.nbytes}")
-        if length and not _recv_exactly(sock, out):
+        if length and not recv_exactly(sock, out):
             raise ConnectionError("peer closed the connection before sending data")
+        magic, after, _ = recv_frame(sock, TRAILER)
+        if magic != TRAILER_MAGIC:
+            raise TransportError(meta.address, f"malformed reply trailer {bytes(magic)!r}")
+        if after == STATUS_STALE:
+            raise stale(meta, "the tensor was released while the peer sent it (its tag changed)")
+        if after != STATUS_OK:
+            raise TransportError(meta.address, f"peer ended the reply with status {after}")
 
     def close(self) -> None:
         """Stop the server, drop pooled connections, close the arena; idempotent."""
@@ -306,9 +514,10 @@ class TcpTransport(Transport):
             if self._closed:
                 return
             self._closed = True
-            idle = [s for socks in self._idle.values() for s in socks]
+            idle = [s for socks in self._idle.values() for s, _ in socks]
             self._idle.clear()
         for sock in idle:
             sock.close()
         self._server.close()
+        self.tags.close()
         self.arena.close()

@@ -1,0 +1,26 @@
+"""What the gateway's handlers share, as typed aiohttp application and request keys."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+from aiohttp import web
+
+from libs.common.settings import CommonSettings
+from services.gateway.admission import Admission
+from services.gateway.auth import ApiKeys, Principal
+from services.gateway.bridge import Bridge
+from services.gateway.config import GatewayConfig
+from services.gateway.records import Records
+
+CONFIG = web.AppKey("config", GatewayConfig)
+COMMON = web.AppKey("common", CommonSettings)
+KEYS = web.AppKey("keys", ApiKeys)
+BRIDGE = web.AppKey("bridge", Bridge)
+RECORDS = web.AppKey("records", Records)
+METRICS = web.AppKey("metrics", Counter)
+ADMISSION = web.AppKey("admission", Admission)
+DECODE_SLOTS = web.AppKey("decode_slots", asyncio.Semaphore)
+TASKS = web.AppKey("tasks", set)  # generation tasks that outlive their HTTP call
+PRINCIPAL = web.RequestKey("principal", Principal)

@@ -1,0 +1,318 @@
+"""Image generation over HTTP: the synchronous call, its idempotent retries, and looking a call up.
+
+``POST /v1/images/generations`` checks the body, admits the call (``admission.py``), records it
+(``records.py``), puts one ``ImageRequest`` per image on the intake and answers once every image
+has ended. The waiting runs in a task of its own that holds the call's admission slots until the
+images are done, whether or not the client is still connected.
+
+With an ``Idempotency-Key`` header the same tenant and key within 24 h name one call: a repeat
+with the same body waits for and returns that call's answer and submits nothing; a repeat with a
+different body is refused (422, ``param: Idempotency-Key``).
+
+``GET /v1/requests/{id}`` reports a call by the ``id`` its answer carries: ``queued``, ``running``,
+``succeeded`` (with ``data`` as the call answered it) or ``failed`` (with ``error``). Only the tenant
+that made the call may read it; for anyone else it does not exist (404, never 403).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import re
+import time
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from libs.common.registry_client import WorkflowNotFound
+from libs.protocol.ids import image_object
+from libs.protocol.messages import ImageRef, ImageRequest, RequestResult, encode
+from libs.workflow.spec import WorkflowSpec
+from libs.workflow.validate import WORKFLOW_NAME
+from services.gateway.auth import Principal
+from services.gateway.body import BUS_PAYLOAD_LIMIT, json_object, read_json, too_large
+from services.gateway.bridge import Bridge
+from services.gateway.context import (
+    ADMISSION,
+    BRIDGE,
+    CONFIG,
+    DECODE_SLOTS,
+    METRICS,
+    PRINCIPAL,
+    RECORDS,
+    TASKS,
+)
+from services.gateway.errors import ApiError
+from services.gateway.generation import Generation, parse_generation, parse_model
+from services.gateway.inputs import resolve_inputs
+from services.gateway.records import GenerationRecord, IdempotencyRecord, fingerprint
+from services.gateway.results import error_of, overall
+
+log = logging.getLogger(__name__)
+
+IDEMPOTENCY_HEADER = "Idempotency-Key"
+REQUEST_ID_HEADER = "x-request-id"
+IDEMPOTENCY_KEY = re.compile(r"^[\x21-\x7e]{1,255}$")  # printable ASCII, no spaces
+GENERATION_ID = re.compile(r"^[0-9a-f]{20}$")
+
+
+async def lookup_workflow(bridge: Bridge, name: str, param: str = "model") -> WorkflowSpec:
+    try:
+        if not WORKFLOW_NAME.match(name):  # cannot exist; and a long name would not fit on the bus
+            raise WorkflowNotFound(name[:64])
+        return await bridge.registry.get(name)
+    except WorkflowNotFound:
+        name = name if len(name) <= 64 else name[:64] + "..."
+        raise ApiError(
+            404, f"{param}: workflow {name!r} not found", param=param, code="model_not_found"
+        ) from None
+
+
+def idempotency_key(request: web.Request) -> str | None:
+    values = request.headers.getall(IDEMPOTENCY_HEADER, [])
+    if not values:
+        return None
+    if len(values) > 1 or not IDEMPOTENCY_KEY.match(values[0]):
+        raise ApiError(
+            422,
+            f"{IDEMPOTENCY_HEADER}: must be one value of 1 to 255 printable ASCII characters",
+            param=IDEMPOTENCY_HEADER,
+            code="invalid_value",
+        )
+    return values[0]
+
+
+# -- POST /v1/images/generations ---------------------------------------------------------------------
+async def generate(request: web.Request) -> web.Response:
+    app = request.app
+    cfg, bridge, records = app[CONFIG], app[BRIDGE], app[RECORDS]
+    who: Principal = request[PRINCIPAL]
+    key = idempotency_key(request)
+    body = json_object(await read_json(request, int(cfg.max_body_mb * (1 << 20))))
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) and len(prompt.encode()) > BUS_PAYLOAD_LIMIT:
+        raise too_large("prompt", BUS_PAYLOAD_LIMIT, param="prompt")
+    spec = await lookup_workflow(bridge, parse_model(body))
+    gen = parse_generation(body, spec, cfg.max_n)
+    fp = fingerprint(body) if key else ""
+    if key:
+        held = await records.held(who.tenant, key)
+        if held is not None:
+            return await replay(request, held, fp)
+
+    # Admitted before any heavy work (decoding control images): a tenant at its limit costs nothing.
+    admission = app[ADMISSION]
+    admission.admit(who.tenant, gen.n)
+    gen_id = uuid.uuid4().hex[:20]
+    task: asyncio.Task[list[RequestResult | None]] | None = None
+    claim = IdempotencyRecord(gen_id, fp) if key else None
+    first: IdempotencyRecord | None = None
+    try:
+        loras = await resolve_inputs(spec, gen.params, body, bridge, gen_id, app[DECODE_SLOTS])
+        rec = GenerationRecord(
+            id=gen_id,
+            tenant=who.tenant,
+            model=spec.name,
+            created=int(time.time()),
+            n=gen.n,
+            response_format=gen.response_format,
+            seeds=gen.seeds,
+            timeout_s=cfg.request_timeout_s,
+            loras=loras,
+        )
+        reqs = _image_requests(rec, spec, gen)
+        await records.save(rec)
+        if key and claim:
+            first = await records.claim(who.tenant, key, claim)  # not None: another call got there first
+        if first is None:
+            task = asyncio.create_task(_submit_and_wait(app, rec, reqs, key, claim))
+    finally:
+        if task is None:  # the task frees the slots it was given; nothing else took them
+            admission.release(who.tenant, gen.n)
+    if first is not None:
+        await records.drop(gen_id)
+        return await replay(request, first, fp)
+    app[TASKS].add(task)
+    task.add_done_callback(lambda t: _task_done(app, t))
+    t0 = time.monotonic()
+    results = await asyncio.shield(task)  # a client that hangs up leaves the task (and its slots) running
+    response = await answer(request, rec, results, stale=False)
+    app[METRICS]["images_generated"] += gen.n
+    log.info(
+        "%s: %d image(s) of %s for %s in %.2fs", gen_id, gen.n, spec.name, who.tenant, time.monotonic() - t0
+    )
+    return response
+
+
+def _task_done(app: web.Application, task: asyncio.Task) -> None:
+    app[TASKS].discard(task)
+    if not task.cancelled() and task.exception() is not None:  # its call may have hung up: log it here
+        log.warning("a generation failed: %r", task.exception())
+
+
+def _image_requests(rec: GenerationRecord, spec: WorkflowSpec, gen: Generation) -> list[ImageRequest]:
+    reqs = []
+    now = time.time()
+    for rid, params in zip(rec.request_ids, gen.params, strict=True):
+        req = ImageRequest(
+            request_id=rid,
+            tenant=rec.tenant,
+            workflow=spec.name,
+            version=spec.version,
+            params=params,
+            submitted_at=now,
+            timeout_s=rec.timeout_s,
+        )
+        if len(encode(req)) > BUS_PAYLOAD_LIMIT:
+            raise too_large("the prompt and parameters of one image", BUS_PAYLOAD_LIMIT, param="params")
+        reqs.append(req)
+    return reqs
+
+
+async def _submit_and_wait(
+    app: web.Application,
+    rec: GenerationRecord,
+    reqs: list[ImageRequest],
+    key: str | None,
+    claim: IdempotencyRecord | None,
+) -> list[RequestResult | None]:
+    """Submit the call's images and wait for them; the call's admission slots are freed at the end."""
+    bridge, records = app[BRIDGE], app[RECORDS]
+    futures = [bridge.expect(r.request_id) for r in reqs]
+    try:
+        submitted = 0
+        try:
+            for req in reqs:
+                await bridge.submit(req)
+                submitted += 1
+        except BaseException:
+            if submitted == 0:  # nothing reached the scheduler: the key and the record are void
+                if key and claim:
+                    await records.release(rec.tenant, key, claim)
+                await records.drop(rec.id)
+            raise
+        app[METRICS]["images_requested"] += rec.n
+        results = await asyncio.gather(
+            *(bridge.wait(r.request_id, rec.timeout_s + 5, f) for r, f in zip(reqs, futures, strict=True))
+        )
+        await bridge.remember([r for r in results if r is not None])
+        return list(results)
+    finally:
+        for r, f in zip(reqs, futures, strict=True):
+            bridge.forget(r.request_id, f)
+        app[ADMISSION].release(rec.tenant, rec.n)
+
+
+async def replay(request: web.Request, held: IdempotencyRecord, fp: str) -> web.Response:
+    """The answer of the call an idempotency key names, waiting for it if it is still running."""
+    if held.fingerprint != fp:
+        raise ApiError(
+            422,
+            f"{IDEMPOTENCY_HEADER}: this key was used with a different request body in the last 24 h",
+            param=IDEMPOTENCY_HEADER,
+            code="idempotency_mismatch",
+        )
+    app = request.app
+    rec = await app[RECORDS].load(held.generation_id)
+    if rec is None or rec.tenant != request[PRINCIPAL].tenant:
+        raise ApiError(
+            409, f"the call of this {IDEMPOTENCY_HEADER} is being set up; retry", code="idempotency_conflict"
+        )
+    bridge = app[BRIDGE]
+    left = max(1.0, rec.created + rec.timeout_s + 5 - time.time())
+    results = await asyncio.gather(*(bridge.wait(rid, left) for rid in rec.request_ids))
+    app[METRICS]["idempotent_replays"] += 1
+    return await answer(request, rec, list(results), stale=True)
+
+
+async def answer(
+    request: web.Request, rec: GenerationRecord, results: list[RequestResult | None], stale: bool
+) -> web.Response:
+    """The response of a call: its images, or the error of its first image that has none.
+
+    Either way it carries ``x-request-id``: a call that failed or timed out can be looked up later.
+    """
+    try:
+        for rid, result in zip(rec.request_ids, results, strict=True):
+            if result is None or result.status != "succeeded" or not result.images:
+                raise error_of(result, rid, rec.timeout_s, rec.loras)
+        data = await _items(request, rec, results, stale)  # type: ignore[arg-type]
+    except ApiError as e:
+        e.headers[REQUEST_ID_HEADER] = rec.id
+        raise
+    body = {"id": rec.id, "created": rec.created, "model": rec.model, "data": data}
+    return web.json_response(body, headers={REQUEST_ID_HEADER: rec.id})
+
+
+async def _items(
+    request: web.Request, rec: GenerationRecord, results: list[RequestResult], stale: bool
+) -> list[dict[str, Any]]:
+    cfg, bridge = request.app[CONFIG], request.app[BRIDGE]
+    data = []
+    for rid, seed, result in zip(rec.request_ids, rec.seeds, results, strict=True):
+        ref = next(iter(result.images.values()))
+        item: dict[str, Any] = {}
+        if rec.response_format == "url":
+            base = cfg.public_url.rstrip("/") or f"{request.scheme}://{request.host}"
+            item["url"] = f"{base}/v1/images/files/{ref.name}"
+        else:
+            png = await bridge.fetch_image(ref, delete=False)  # kept (1 h) for retries and lookups
+            if png is None and stale:
+                raise ApiError(410, f"the images of {rec.id} have expired (kept 1 h)", code="expired")
+            if png is None:
+                raise ApiError(500, f"image of {rid} is missing from the object store", code="internal")
+            item["b64_json"] = base64.b64encode(png).decode()
+        if seed is not None:
+            item["seed"] = seed
+        data.append(item)
+    return data
+
+
+# -- GET /v1/requests/{id} ------------------------------------------------------------------------------
+async def get_request(request: web.Request) -> web.Response:
+    gen_id = request.match_info["id"]
+    rec = await request.app[RECORDS].load(gen_id) if GENERATION_ID.match(gen_id) else None
+    if rec is None or rec.tenant != request[PRINCIPAL].tenant:
+        raise ApiError(404, f"no request {gen_id[:64]!r}", param="id", code="not_found")
+    states = await request.app[BRIDGE].states(rec.request_ids)
+    status = overall(states)
+    out: dict[str, Any] = {
+        "id": rec.id,
+        "object": "image.generation.request",
+        "created": rec.created,
+        "model": rec.model,
+        "status": status,
+        "n": rec.n,
+        "completed": sum(s.result is not None for s in states),
+    }
+    if status == "succeeded":
+        out["data"] = await _items(request, rec, [s.result for s in states], stale=True)  # type: ignore[misc]
+    elif status == "failed":
+        rid, failed = next(
+            (r, s) for r, s in zip(rec.request_ids, states, strict=True) if s.status == "failed"
+        )
+        err = error_of(failed.result, rid, rec.timeout_s, rec.loras)
+        out["error"] = {**err.body(), "status": err.status}
+    return web.json_response(out)
+
+
+# -- GET /v1/images/files/{request_id}/{name} ------------------------------------------------------------
+async def image_file(request: web.Request) -> web.Response:
+    rid, name = request.match_info["request_id"], request.match_info["name"]
+    bridge: Bridge = request.app[BRIDGE]
+    missing = ApiError(404, f"no image {rid[:64]}/{name[:64]}", code="not_found")
+    if not name.endswith(".png") or "/" in rid or not rid:
+        raise missing
+    owner = await bridge.request_tenant(rid)
+    if owner is None or owner != request[PRINCIPAL].tenant:
+        raise missing
+    try:
+        obj = image_object(rid, name.removesuffix(".png"))
+    except ValueError:
+        raise missing from None
+    png = await bridge.fetch_image(ImageRef(bucket="", name=obj, nbytes=0, width=0, height=0), delete=False)
+    if png is None:
+        raise ApiError(404, f"image {rid[:64]}/{name[:64]} has expired or does not exist", code="not_found")
+    return web.Response(body=png, content_type="image/png")

@@ -1,0 +1,132 @@
+"""What the gateway itself keeps in Redis: one record per generation call, and idempotency keys.
+
+The scheduler keeps each *image* request's state and result (``{ns}:req:{request_id}``, 24 h). A
+generation call (``n`` images, one response) exists only at the gateway, so the gateway records
+what it needs to answer for the call again — who made it, how it was asked for, which image
+requests belong to it — so that ``GET /v1/requests/{id}`` and a retry with the same
+``Idempotency-Key`` give the same answer the original call gave, even when the original connection
+is gone.
+
+| key | type | holds |
+|---|---|---|
+| ``{ns}:gw:gen:{generation_id}`` | string | JSON :class:`GenerationRecord` (24 h) |
+| ``{ns}:gw:idem:{tenant}:{sha256(key)}`` | string | JSON :class:`IdempotencyRecord` (24 h) |
+| ``{ns}:gw:res:{request_id}`` | string | the checked ``RequestResult`` the gateway answered with (1 h) |
+
+The last is written before a call answers, so a lookup right after the answer sees it: the
+scheduler publishes a result before its own copy lands in ``{ns}:req:{id}``.
+
+(These belong in ``libs/protocol/keys.py``'s table; they live here while only the gateway reads
+them. Both hang off the namespace, so ``Keys.pattern()`` covers them.)
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import msgspec
+from redis.asyncio import Redis
+
+RECORD_TTL_S = 86400  # as long as the scheduler keeps the requests' state
+IDEMPOTENCY_TTL_S = 86400
+RESULT_TTL_S = 3600  # as long as the images are kept; the scheduler's copy lasts 24 h
+
+
+@dataclass(frozen=True)
+class GatewayKeys:
+    ns: str
+
+    def generation(self, generation_id: str) -> str:
+        return f"{self.ns}:gw:gen:{generation_id}"
+
+    def result(self, request_id: str) -> str:
+        return f"{self.ns}:gw:res:{request_id}"
+
+    def idempotency(self, tenant: str, key: str) -> str:
+        # The client's key is hashed: any bytes it sends stay out of the key space.
+        return f"{self.ns}:gw:idem:{tenant}:{hashlib.sha256(key.encode()).hexdigest()}"
+
+
+class GenerationRecord(msgspec.Struct, omit_defaults=True):
+    """One ``POST /v1/images/generations`` call as the gateway accepted it."""
+
+    id: str
+    tenant: str
+    model: str
+    created: int  # unix seconds: the ``created`` of every answer for this call
+    n: int
+    response_format: str
+    seeds: list[int | None]
+    timeout_s: float
+    # Resolved LoRA path -> LoRA name, so error text from executors is shown with names only.
+    loras: dict[str, str] = {}
+
+    @property
+    def request_ids(self) -> list[str]:
+        return request_ids(self.id, self.n)
+
+
+class IdempotencyRecord(msgspec.Struct):
+    generation_id: str
+    fingerprint: str  # sha256 of the body, canonical (sorted keys)
+
+
+def request_ids(generation_id: str, n: int) -> list[str]:
+    """The image request ids of a generation call (``{generation_id}-{i}``)."""
+    return [f"{generation_id}-{i}" for i in range(n)]
+
+
+def fingerprint(body: object) -> str:
+    return hashlib.sha256(msgspec.json.encode(body, order="sorted")).hexdigest()
+
+
+class Records:
+    def __init__(self, redis: Redis, ns: str) -> None:
+        self.redis = redis
+        self.keys = GatewayKeys(ns)
+
+    async def save(self, rec: GenerationRecord) -> None:
+        await self.redis.set(self.keys.generation(rec.id), msgspec.json.encode(rec), ex=RECORD_TTL_S)
+
+    async def load(self, generation_id: str) -> GenerationRecord | None:
+        if not generation_id or len(generation_id) > 64:
+            return None
+        raw = await self.redis.get(self.keys.generation(generation_id))
+        if raw is None:
+            return None
+        try:
+            return msgspec.json.decode(raw, type=GenerationRecord)
+        except msgspec.DecodeError:
+            return None
+
+    async def drop(self, generation_id: str) -> None:
+        await self.redis.delete(self.keys.generation(generation_id))
+
+    async def claim(self, tenant: str, key: str, rec: IdempotencyRecord) -> IdempotencyRecord | None:
+        """Claim ``key`` for ``rec``: None when it is ours now, else the record that holds it."""
+        rkey = self.keys.idempotency(tenant, key)
+        data = msgspec.json.encode(rec)
+        for _ in range(3):  # the holder may expire between SET NX and GET
+            if await self.redis.set(rkey, data, nx=True, ex=IDEMPOTENCY_TTL_S):
+                return None
+            held = await self.held(tenant, key)
+            if held is not None:
+                return held
+        await self.redis.set(rkey, data, ex=IDEMPOTENCY_TTL_S)  # an unreadable record: replace it
+        return None
+
+    async def held(self, tenant: str, key: str) -> IdempotencyRecord | None:
+        raw = await self.redis.get(self.keys.idempotency(tenant, key))
+        if raw is None:
+            return None
+        try:
+            return msgspec.json.decode(raw, type=IdempotencyRecord)
+        except msgspec.DecodeError:
+            return None
+
+    async def release(self, tenant: str, key: str, rec: IdempotencyRecord) -> None:
+        """Give a claimed key back (nothing was submitted under it), if it is still ours."""
+        rkey = self.keys.idempotency(tenant, key)
+        if await self.redis.get(rkey) == msgspec.json.encode(rec):
+            await self.redis.delete(rkey)

@@ -1,0 +1,351 @@
+"""Credentials on the bus and in Redis (docs/security.md).
+
+A secured stack (its own nats-server with one user per role, Redis ACL users per role) still
+generates images, with no permission refused on the way. A role's credentials reach no further than
+the role: the executor's cannot forge results, intake, registry writes or the executor broadcast,
+cannot send another executor a dispatch (only a release, on its release subject), cannot publish
+another executor's events (its own process's user), and an event the shared executor user publishes
+under another executor's name is dropped by the scheduler; it cannot read the intake, cannot make
+JetStream deliver stored messages to a subject of its choice;
+without credentials nothing connects; the gateway's Redis user cannot write a tenant's vTime, and
+executors have no Redis user at all. Stopping the stack removes its Redis users and nats-server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import subprocess
+import uuid
+
+import nats
+import pytest
+import redis
+from nats.js.api import ConsumerConfig
+
+from libs.launcher import brokers
+from libs.launcher.creds import ADMIN, ROLES, write_compose
+from libs.launcher.stack import Stack
+from libs.protocol.keys import Keys
+from libs.protocol.messages import Dispatch, ExecutorGoodbye, NodeFailed, OutputPlan, encode
+from libs.protocol.subjects import Subjects
+from libs.sim.workflows import sim_workflow
+from libs.workflow.spec import encode_spec
+from tests.conftest import free_port
+
+pytestmark = pytest.mark.timeout(90)
+
+REFUSED = ("noperm", "no permissions", "permissions violation", "authorization violation")
+
+
+@pytest.fixture(scope="module")
+def stack(broker_urls, tmp_path_factory):
+    _, redis_url = broker_urls
+    tmp = tmp_path_factory.mktemp("secure")
+    s = Stack(
+        namespace="t" + uuid.uuid4().hex[:10],
+        log_dir=tmp / "logs",
+        model_root=tmp,
+        gateway_port=free_port(),
+        executors=0,
+        sim_executors=2,
+        sim_time_scale=0.01,
+        redis_url=redis_url,
+        secure=True,
+    )
+    s.start(timeout=60)
+    try:
+        yield s
+    finally:
+        nats_proc = s._nats  # noqa: SLF001
+        s.stop()
+        r = redis.Redis.from_url(redis_url)
+        try:
+            keys = list(r.scan_iter(match=Keys(s.namespace).pattern(), count=1000))
+            if keys:
+                r.delete(*keys)
+            assert s.credentials is not None
+            left = [u.name for u in s.credentials.redis.values() if r.acl_getuser(u.name)]
+        finally:
+            r.close()
+        assert not left, f"Redis users left behind: {left}"
+        assert nats_proc is not None and nats_proc.poll() is not None
+        assert not (s.log_dir / "nats" / "nats.conf").exists()
+
+
+class Client:
+    """A NATS connection as one user, recording the errors the server sends it."""
+
+    def __init__(self) -> None:
+        self.errors: list[str] = []
+        self.nc: nats.NATS | None = None
+
+    async def connect(self, stack: Stack, key: str) -> Client:
+        assert stack.credentials is not None
+        u = stack.credentials.nats_user(key)
+
+        async def error_cb(e: Exception) -> None:
+            self.errors.append(str(e))
+
+        self.nc = await nats.connect(
+            stack.bus_url,
+            user=u.name,
+            password=u.password,
+            inbox_prefix=f"_INBOX.{u.name}",
+            error_cb=error_cb,
+            allow_reconnect=False,
+        )
+        return self
+
+    async def refused(self, what: str, subject: str, wait_s: float = 3.0) -> bool:
+        """Whether the server refused ``what`` (Publish, Subscription) to ``subject`` (its error
+        may come a little after the flush that followed the attempt)."""
+        expected = f'permissions violation for {what} to "{subject}"'.lower()
+        deadline = asyncio.get_running_loop().time() + wait_s
+        while not any(expected in e.lower() for e in self.errors):
+            if asyncio.get_running_loop().time() > deadline:
+                return False
+            await asyncio.sleep(0.05)
+        return True
+
+
+async def listen(nc: nats.NATS, subjects: list[str]) -> list[str]:
+    got: list[str] = []
+
+    async def cb(msg) -> None:
+        got.append(msg.subject)
+
+    for subject in subjects:
+        await nc.subscribe(subject, cb=cb)
+    await nc.flush()
+    return got
+
+
+def test_a_secured_stack_generates_an_image_without_a_refusal(stack):
+    spec = json.loads(encode_spec(sim_workflow("sim-wf", "sd3-medium", steps=3)))
+    status, body = stack.http("POST", "/v1/workflows", spec)
+    assert status == 201, body
+    status, body = stack.http(
+        "POST", "/v1/images/generations", {"model": "sim-wf", "prompt": "x"}, timeout=30
+    )
+    assert status == 200, (body, stack.tail("scheduler"), stack.tail("sim-executors"))
+    assert body["data"][0]["b64_json"]
+    for name in stack.procs:
+        log = stack.read_log(name).lower()
+        assert not any(r in log for r in REFUSED), stack.tail(name)
+    server_log = (stack.log_dir / "nats" / "nats-server.log").read_text()
+    assert "Violation" not in server_log, server_log[-3000:]
+
+
+async def test_the_executor_user_cannot_forge_results_intake_registry_writes_or_broadcasts(stack):
+    s = Subjects(stack.namespace)
+    admin = await Client().connect(stack, ADMIN)
+    ex = await Client().connect(stack, "sim-executors")
+    assert admin.nc and ex.nc
+    try:
+        forged = [s.result("forged"), s.intake, s.registry("register"), s.executors_all, s.executor("nobody")]
+        allowed = s.executor_release("nobody")  # ReleaseTensors to a producer: the control
+        got = await listen(admin.nc, [*forged, allowed])
+        for subject in [*forged, allowed]:
+            await ex.nc.publish(subject, b'{"type":"forged"}')
+        await ex.nc.flush()
+        await asyncio.sleep(0.3)
+        assert got == [allowed]
+        for subject in forged:
+            assert await ex.refused("Publish", subject), (subject, ex.errors)
+    finally:
+        await ex.nc.close()
+        await admin.nc.close()
+
+
+async def test_an_executor_cannot_dispatch_to_another_nor_report_as_another(stack):
+    s = Subjects(stack.namespace)
+    ids = stack.executor_ids()["sim-executors"]
+    mine, theirs = ids[0], f"{stack.namespace}-executor-9"
+    admin = await Client().connect(stack, ADMIN)
+    ex = await Client().connect(stack, "sim-executors")  # the launcher's per-process user
+    shared = await Client().connect(stack, "executor")  # the generic user (compose replicas share it)
+    assert admin.nc and ex.nc and shared.nc
+    try:
+        seen = await listen(admin.nc, [s.executor(mine), s.executor(theirs), s.executor_events(theirs)])
+        dispatch = Dispatch("r-forged", 1, "n", "t", "toy.fn", "m", {}, [OutputPlan("out")])
+        failed = NodeFailed(theirs, "r-forged", 1, "n", "forged")
+        for who in (ex, shared):
+            assert who.nc
+            await who.nc.publish(s.executor(mine), encode(dispatch))
+            await who.nc.publish(s.executor(theirs), encode(dispatch))
+            await who.nc.flush()
+        await ex.nc.publish(s.executor_events(theirs), encode(failed))  # not one of its ids
+        await ex.nc.flush()
+        for who in (ex, shared):
+            for subject in (s.executor(mine), s.executor(theirs)):
+                assert await who.refused("Publish", subject), (subject, who.errors)
+        assert await ex.refused("Publish", s.executor_events(theirs)), ex.errors
+        # The shared user may publish any executor's events subject: the scheduler holds each event
+        # to the executor its subject names.
+        goodbye = ExecutorGoodbye(mine)  # believed, it would take a live executor out
+        await shared.nc.publish(s.executor_events(theirs), encode(goodbye))
+        await shared.nc.flush()
+        await asyncio.sleep(0.3)
+        assert seen == [s.executor_events(theirs)], seen
+        deadline = asyncio.get_running_loop().time() + 5
+        while f"claiming executor {mine!r}" not in stack.read_log("scheduler"):
+            assert asyncio.get_running_loop().time() < deadline, stack.tail("scheduler")
+            await asyncio.sleep(0.1)
+        assert f"executor {mine} removed" not in stack.read_log("scheduler")
+    finally:
+        for c in (ex, shared, admin):
+            assert c.nc
+            await c.nc.close()
+
+
+async def test_the_executor_user_cannot_read_the_intake_or_redirect_stored_messages(stack):
+    s = Subjects(stack.namespace)
+    admin = await Client().connect(stack, ADMIN)
+    ex = await Client().connect(stack, "sim-executors")
+    assert admin.nc and ex.nc
+    js = ex.nc.jetstream(timeout=0.5)
+    try:
+        # The launcher gives each executor process a user that may receive its own executors'
+        # messages only: not another executor's dispatches.
+        other = s.executor(f"{stack.namespace}-executor-9")
+        spied = await listen(ex.nc, [s.intake, s.result("*"), s.sched_events, other])
+        for subject in (s.intake, s.result("*"), s.sched_events, other):
+            assert await ex.refused("Subscription", subject), (subject, ex.errors)
+        for read in (
+            lambda: js.pull_subscribe(s.intake, durable="spy", stream=s.intake_stream),
+            lambda: js.get_msg(s.intake_stream, seq=1),
+            lambda: js.stream_info(s.intake_stream),
+        ):
+            with pytest.raises(nats.errors.TimeoutError):
+                await read()
+        # A consumer on the images stream (which executors write) delivering to a results subject
+        # would publish whatever the executor stored there as a result, past its permissions.
+        redirected = await listen(admin.nc, [s.result("*")])
+        with pytest.raises(nats.errors.TimeoutError):
+            await js.add_consumer(
+                f"OBJ_{s.images_bucket}", ConsumerConfig(deliver_subject=s.result("redirected"))
+            )
+        await admin.nc.publish(s.result("probe"), b"{}")  # what the spy would have seen
+        await admin.nc.flush()
+        await asyncio.sleep(0.3)
+        assert spied == [] and redirected == [s.result("probe")]
+        assert await ex.refused("Publish", f"$JS.API.CONSUMER.CREATE.OBJ_{s.images_bucket}")
+    finally:
+        await ex.nc.close()
+        await admin.nc.close()
+
+
+async def test_no_or_wrong_credentials_do_not_connect(stack):
+    assert stack.credentials is not None
+    user = stack.credentials.nats_user("gateway").name
+    for auth in ({}, {"user": user, "password": "wrong"}):
+        with pytest.raises(Exception) as e:  # noqa: PT011 - nats-py raises different errors per path
+            await nats.connect(stack.bus_url, allow_reconnect=False, connect_timeout=2, **auth)
+        assert "uthorization" in repr(e.value) or "NoServers" in repr(e.value), e.value
+
+
+def test_redis_users_are_limited_to_their_keys_and_executors_have_none(stack):
+    creds = stack.credentials
+    assert creds is not None
+    assert "executor" not in creds.redis
+    assert "T2I_REDIS_USER" not in creds.env("sim-executors", "executor")
+    k = Keys(stack.namespace)
+
+    def as_role(role: str) -> redis.Redis:
+        return redis.Redis.from_url(creds.redis_url(stack.redis_url, role))
+
+    gateway, registry, scheduler = as_role("gateway"), as_role("registry"), as_role("scheduler")
+    try:
+        assert gateway.hgetall(k.vtime) is not None  # it reads the counters (the admin view) ...
+        for write in (
+            lambda: gateway.hset(k.vtime, "alice", "0"),  # ... but cannot reset a tenant's vTime
+            lambda: registry.hset(k.vtime, "alice", "0"),
+            lambda: gateway.hset(k.workflow_index, "x", "1"),  # nor register a workflow
+            lambda: scheduler.set("other-ns:key", "1"),  # nor anyone leave the namespace
+            lambda: gateway.flushdb(),
+        ):
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                write()
+        assert scheduler.hset(k.vtime, "probe", "1") == 1  # the control: the scheduler may
+        with pytest.raises(redis.exceptions.AuthenticationError):
+            redis.Redis.from_url(stack.redis_url, username=creds.redis["gateway"].name, password="x").ping()
+    finally:
+        for r in (gateway, registry, scheduler):
+            r.close()
+
+
+def test_compose_credentials_load_in_nats_server_and_redis_server(tmp_path):
+    """What ``deploy/compose.yaml``'s init container writes: valid for both servers, each role's
+    password file logs it in, and the default Redis user can only PING."""
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed here")
+    assert write_compose(tmp_path, "tcompose") and not write_compose(tmp_path, "tcompose")  # kept
+    check = subprocess.run(
+        [brokers.nats_server_binary(), "-c", str(tmp_path / "nats" / "auth.conf"), "-t"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+    port = free_port()
+    proc = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        + ["--aclfile", str(tmp_path / "redis" / "users.acl")],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        brokers.wait_until(lambda: brokers.redis_answers("127.0.0.1", port), 10, "redis-server", proc)
+        anonymous = redis.Redis(port=port)
+        assert anonymous.ping()
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            anonymous.get("tcompose:vtime")
+        for role in ROLES:
+            pw = tmp_path / role / "redis_password"
+            assert (tmp_path / role / "nats_password").exists()
+            if role == "executor":
+                assert not pw.exists()
+                continue
+            r = redis.Redis(port=port, username=f"tcompose-{role}", password=pw.read_text())
+            assert r.ping()
+            r.close()
+        admin = redis.Redis(
+            port=port, username="tcompose-admin", password=(tmp_path / "admin" / "redis_password").read_text()
+        )
+        assert admin.set("tcompose:x", "1")
+        admin.close()
+        anonymous.close()
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+async def test_the_images_bucket_reads_objects_chunk_by_chunk_without_a_consumer(common):
+    """``ImageBucket.get`` (no consumer, so no role needs CONSUMER.CREATE): objects of several
+    chunks, an overwritten one, an empty one, and a missing one."""
+    from nats.js.errors import ObjectNotFoundError
+
+    from libs.common.jetstream import ensure_images_bucket
+    from libs.common.nats_conn import connect
+
+    nc = await connect(common.nats_url, "test-images")
+    try:
+        js = nc.jetstream()
+        images = await ensure_images_bucket(js, Subjects(common.namespace))
+        big = bytes(range(256)) * 1500  # 384000 bytes: three 128 KiB chunks
+        await images.put("a/big.png", big)
+        await images.put("a/small.png", b"first")
+        await images.put("a/small.png", b"second")
+        await images.put("a/empty.png", b"")
+        assert (await images.get("a/big.png")).data == big
+        assert (await images.get("a/small.png")).data == b"second"
+        assert (await images.get("a/empty.png")).data == b""
+        consumers = await js.consumers_info(f"OBJ_{Subjects(common.namespace).images_bucket}")
+        assert consumers == []
+        await images.delete("a/big.png")
+        with pytest.raises(ObjectNotFoundError):
+            await images.get("a/big.png")
+    finally:
+        await nc.close()
