@@ -180,6 +180,24 @@ class Stack:
                 "the ACL command (the default user has it), or run without credentials"
             ) from e
 
+    def restart_nats(self, down_s: float = 1.0) -> float:
+        """Kill the private nats-server (SIGKILL: a crash), keep it down ``down_s`` seconds, and start
+        it again on the same port with the same config and JetStream store (tests of a bus outage).
+        Returns the seconds the bus was unreachable. Only a ``secure`` stack runs its own server."""
+        if self._nats is None or not self.bus_url:
+            raise StackError("only a secure stack runs its own nats-server")
+        t0 = time.monotonic()
+        self._nats.kill()
+        self._nats.wait(10)
+        time.sleep(down_s)
+        workdir = self.log_dir / "nats"
+        log = workdir / "nats-server.log"
+        if log.exists():  # start_nats waits for "Server is ready" in a fresh log
+            log.rename(workdir / f"nats-server.{int(time.time() * 1000)}.log")
+        port = int(self.bus_url.rsplit(":", 1)[1])
+        self._nats = brokers.start_nats(port, workdir, config=workdir / "nats.conf")
+        return time.monotonic() - t0
+
     def stop_secure_brokers(self) -> None:
         if self.credentials is not None:
             try:
