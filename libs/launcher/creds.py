@@ -114,8 +114,15 @@ def redis_rules(ns: str, role: str) -> list[str] | None:
         keys = [f"~{k.workflow('*')}", f"~{k.loras}"]
         cmds = ["+hset", "+hget", "+hgetall", *_REDIS_SCRIPTS]
     elif role == "scheduler":  # request state, tensor metadata, tenant counters (a Lua script)
-        keys = [f"~{x}" for x in (k.request("*"), k.tensors("*"), k.vtime, k.ops, k.service, k.tenants)]
+        lease = (k.scheduler_lease, k.scheduler_epoch)
+        keys = [
+            f"~{x}" for x in (k.request("*"), k.tensors("*"), k.vtime, k.ops, k.service, k.tenants, *lease)
+        ]
         cmds = ["+hset", "+hget", "+hgetall", "+hincrby", "+expire", "+del", *_REDIS_SCRIPTS]
+        # The lease and its fencing token (services/scheduler/lease.py: SET NX PX, INCR, GET and
+        # PEXPIRE, inside its scripts and the vTime script): a selector, so these commands reach
+        # those two keys only.
+        extra = [f"({' '.join(f'~{x}' for x in lease)} +set +get +incr +pexpire)"]
     elif role in ("executor", ADMIN):
         return None
     else:

@@ -11,6 +11,8 @@
 | ``{ns}:ops`` | hash | tenant -> dispatched ModelFn executions (the VTC baseline's counter) |
 | ``{ns}:service`` | hash | tenant -> measured GPU seconds received (no estimates, no lifts) |
 | ``{ns}:tenants`` | hash | tenant -> JSON operator view (vTime, service, queued/running), refreshed each second |
+| ``{ns}:scheduler:lease`` | string | the leading scheduler's holder id, with a TTL (``services/scheduler/lease.py``) |
+| ``{ns}:scheduler:epoch`` | string | the fencing token: incremented by every acquisition of the lease |
 """
 
 from __future__ import annotations
@@ -54,6 +56,14 @@ class Keys:
     @property
     def tenants(self) -> str:
         return f"{self.ns}:tenants"
+
+    @property
+    def scheduler_lease(self) -> str:
+        return f"{self.ns}:scheduler:lease"
+
+    @property
+    def scheduler_epoch(self) -> str:
+        return f"{self.ns}:scheduler:epoch"
 
     def pattern(self) -> str:
         """Matches every key of this namespace (tests delete them with it)."""

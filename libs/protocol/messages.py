@@ -100,6 +100,9 @@ class Dispatch(_Msg, tag="dispatch"):
     inputs: dict[str, InputBinding]
     outputs: list[OutputPlan]
     callbacks: list[str] = []
+    # The fencing token of the scheduler that sent it (its lease's epoch): an executor refuses a
+    # dispatch with a lower one than it has seen (``STALE_EPOCH``): that scheduler was replaced.
+    epoch: int = 0
 
     @property
     def ref(self) -> NodeRef:
@@ -121,6 +124,7 @@ class ReleaseRequest(_Msg, tag="release_request"):
 
     request_id: str
     attempt: int = -1
+    epoch: int = 0  # the sender's fencing token: ignored below the highest seen (as for Dispatch)
 
 
 class CallbackReady(_Msg, tag="callback_ready"):
@@ -153,10 +157,15 @@ class CancelNode(_Msg, tag="cancel_node"):
     attempt: int
     node_id: str
     restart_ok: bool = False
+    epoch: int = 0  # the sender's fencing token: ignored below the highest seen (as for Dispatch)
 
     @property
     def ref(self) -> NodeRef:
         return NodeRef(self.request_id, self.attempt, self.node_id)
+
+
+#: ``Ack.error`` of a dispatch refused for its epoch: the scheduler that sent it must step down.
+STALE_EPOCH = "stale scheduler epoch"
 
 
 class Ack(_Msg, tag="ack"):

@@ -10,6 +10,11 @@ reader, paper §5.2), and publishes ``NodeComplete`` with output metadata and me
 Subjects: the scheduler's messages (``Dispatch``, ``CallbackReady``, ``ReleaseRequest``,
 ``CancelNode``) come on ``{ns}.exec.{id}`` and ``{ns}.exec.all``; peers' ``ReleaseTensors`` on
 ``{ns}.exec.{id}.release`` only; events go out on this executor's own ``{ns}.sched.events.{id}``.
+
+Fencing (``docs/scheduling.md``, "Fail-over"): the scheduler's messages carry its lease epoch; the
+executor remembers the highest it has seen and refuses a ``Dispatch`` with a lower one (``Ack``
+``ok=False``, ``STALE_EPOCH``: that scheduler steps down) and ignores such a ``CancelNode`` or
+``ReleaseRequest``.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from libs.common.retry import retry
 from libs.common.service import run_all
 from libs.protocol.ids import AttemptRef, ModelKey, NodeRef
 from libs.protocol.messages import (
+    STALE_EPOCH,
     Ack,
     CallbackReady,
     CancelNode,
@@ -137,6 +143,7 @@ class ExecutorService:
         self._subs: list = []
         self._tasks: set[asyncio.Task] = set()
         self._closed = False
+        self.epoch = 0  # the highest scheduler epoch seen (fencing)
 
     # -- lifecycle ------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -219,6 +226,18 @@ class ExecutorService:
             if msg.reply:
                 await msg.respond(encode(Ack(ok=False, error=f"malformed message: {e}")))
             return
+        if isinstance(m, Dispatch | CancelNode | ReleaseRequest):
+            if m.epoch < self.epoch:
+                log.warning(
+                    "refused a %s from a replaced scheduler (epoch %d < %d)",
+                    type(m).__name__,
+                    m.epoch,
+                    self.epoch,
+                )
+                if isinstance(m, Dispatch):
+                    await msg.respond(encode(Ack(ok=False, error=STALE_EPOCH, seq=self.seq)))
+                return
+            self.epoch = m.epoch
         match m:
             case Dispatch():
                 await self._accept(m, msg)

@@ -11,7 +11,9 @@ class SchedulerConfig(msgspec.Struct, forbid_unknown_fields=True):
     tick_s: float = 0.2  # how often deadlines and executor liveness are checked
     heartbeat_timeout_s: float = 5.0  # an executor silent this long is gone
     dispatch_timeout_s: float = 2.0  # an executor that does not ack a dispatch this fast is suspect
-    ack_wait_s: float = 30.0  # JetStream redelivers an intake message not acked/progressed this long
+    # JetStream redelivers an intake message not acked/progressed this long: after a leader's crash,
+    # the requests it held reach the new leader this long after its last keep-alive (fail-over).
+    ack_wait_s: float = 6.0
     max_active: int = 1000  # requests in the core (the active set the policy sees) at most
     # Requests taken in beyond max_active, queued per tenant and admitted to the core in the policy's
     # order (admission.py); past max_active + max_backlog the rest wait in JetStream.
@@ -33,3 +35,8 @@ class SchedulerConfig(msgspec.Struct, forbid_unknown_fields=True):
     # that crashed or lost it) is answered with a failed result ("internal") instead of taken in.
     max_deliveries: int = 10
     result_retry_s: float = 3600.0  # how long the final write of a result to Redis is retried
+    # The leader lease (lease.py, docs/scheduling.md "Fail-over"): renewed every lease_ttl_s / 3; a
+    # leader that cannot renew it within lease_ttl_s (Redis away that long too) steps down and exits.
+    # A standby polls for it every lease_poll_s.
+    lease_ttl_s: float = 3.0
+    lease_poll_s: float = 0.5

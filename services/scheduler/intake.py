@@ -111,6 +111,7 @@ class Intake:
         # service's admission loop wakes up to admit.
         self.wake = asyncio.Event()
         self._seq = 0  # arrival order of messages at this scheduler
+        self.epoch = 0  # the scheduler's lease epoch, sent with its releases (fencing)
 
     @property
     def pending(self) -> int:
@@ -256,7 +257,9 @@ class Intake:
         attempt = int(await self.redis.hincrby(self.keys.request(rid), "attempt", 1))
         if attempt > 1:
             # A previous scheduler worked on this request: free whatever it left on executors.
-            await self.nc.publish(self.subjects.executors_all, encode(ReleaseRequest(rid, -1)))
+            await self.nc.publish(
+                self.subjects.executors_all, encode(ReleaseRequest(rid, -1, epoch=self.epoch))
+            )
         self.backlog.push(Queued(seq, req, dag, attempt, deadline.at))
         self.wake.set()
 

@@ -10,6 +10,13 @@ goes back into the core), request state is written to Redis, results are publish
 A result is published first, then the intake message is acked, then the result is written to Redis
 with retries (``result_retry_s``): a Redis outage delays only that write, never the answer, and
 never causes a recompute (the message is acked whatever Redis does).
+
+Only the leader acts (``lease.py``, ``docs/scheduling.md`` "Fail-over"): :meth:`start` waits (a
+standby, polling) until it holds the scheduler lease; then every dispatch, cancel and release it
+sends carries its lease epoch, and so does every vTime write. It steps down — the long-lived loops
+end with :class:`LeaseLost`, the process exits for its supervisor to restart it as a standby — as
+soon as it cannot renew the lease within its TTL, finds it taken, or is told its epoch is stale
+(by the vTime script, or by an executor refusing a dispatch).
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from libs.common.service import run_all
 from libs.protocol.ids import NodeRef
 from libs.protocol.keys import Keys
 from libs.protocol.messages import (
+    STALE_EPOCH,
     ExecutorGoodbye,
     ExecutorHeartbeat,
     ImageRequest,
@@ -60,8 +68,9 @@ from services.scheduler.effects import (
     SendDispatch,
 )
 from services.scheduler.intake import Intake
+from services.scheduler.lease import Lease, LeaseLost
 from services.scheduler.retrying import Backoff, is_transient, retry_transient
-from services.scheduler.vtime_store import VTimeStore
+from services.scheduler.vtime_store import StaleEpoch, VTimeStore
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +105,9 @@ class SchedulerService:
         self.cfg = cfg
         self.registry = RegistryClient(nc, subjects, timeout=cfg.registry_timeout_s)
         self.vtimes = VTimeStore(redis, keys)
+        self.lease = Lease(redis, keys, cfg.lease_ttl_s)
+        self._down = asyncio.Event()  # set when this leader must step down
+        self._down_reason = ""
         self.intake = Intake(
             nc=nc,
             redis=redis,
@@ -114,7 +126,47 @@ class SchedulerService:
         self.forged_events = 0  # events dropped: their ``executor`` was not their subject's sender
 
     # -- lifecycle ----------------------------------------------------------------------------------
+    @property
+    def leading(self) -> bool:
+        """Whether this scheduler holds the lease and acts on it."""
+        return self.lease.held and not self._down.is_set()
+
+    @property
+    def epoch(self) -> int:
+        return self.lease.epoch
+
+    async def _acquire_lease(self) -> None:
+        """Wait until this scheduler holds the lease (a standby polls every ``lease_poll_s``)."""
+        said = False
+        while True:
+            try:
+                if await self.lease.try_acquire():
+                    break
+                if not said:
+                    said = True
+                    log.info(
+                        "scheduler standby (namespace %s): the lease is held by %s; polling for it",
+                        self.subjects.ns, await self.lease.holder_now(),
+                    )  # fmt: skip
+            except Exception as e:  # noqa: BLE001 - Redis away: keep polling
+                if not is_transient(e):
+                    raise
+                log.warning("taking the scheduler lease failed: %s: %s", type(e).__name__, e)
+            await asyncio.sleep(self.cfg.lease_poll_s)
+        self.vtimes.epoch = self.intake.epoch = self.lease.epoch
+        log.info(
+            "scheduler lease taken: leading with epoch %d (holder %s)", self.lease.epoch, self.lease.holder
+        )
+
+    def step_down(self, reason: str) -> None:
+        """Stop acting at once: nothing more is fetched or dispatched; ``run`` raises LeaseLost."""
+        if not self._down.is_set():
+            self._down_reason = reason
+            self._down.set()
+            log.error("stepping down as the leading scheduler (epoch %d): %s", self.lease.epoch, reason)
+
     async def start(self) -> None:
+        await self._acquire_lease()
         vtime, ops, service = await self.vtimes.load()
         self.core.accounts.load(vtime, ops, service)
         if vtime:
@@ -148,7 +200,36 @@ class SchedulerService:
 
     async def run(self) -> None:
         """The long-lived loops; the service stops if any of them ends."""
-        await run_all(self.intake_loop(), self.io_loop(), self.tick_loop(), self.progress_loop())
+        await run_all(
+            self.lease_loop(), self.intake_loop(), self.io_loop(), self.tick_loop(), self.progress_loop()
+        )
+
+    async def lease_loop(self) -> None:
+        """Renew the lease every ttl/3; raise :class:`LeaseLost` (ending ``run``: the process exits,
+        for its supervisor to restart it as a standby) when it is lost or cannot be renewed in time."""
+        ttl = self.cfg.lease_ttl_s
+        wait = ttl / 3
+        while True:
+            left = self.lease.valid_until - time.monotonic()
+            try:
+                await asyncio.wait_for(self._down.wait(), max(0.0, min(wait, left)))
+            except TimeoutError:
+                pass
+            if self._down.is_set():
+                raise LeaseLost(f"{self._down_reason}: exiting to restart as a standby")
+            left = self.lease.valid_until - time.monotonic()
+            if left <= 0:
+                self.step_down(f"the lease could not be renewed within its {ttl:g} s TTL")
+                continue
+            try:
+                renewed = await asyncio.wait_for(self.lease.renew(), left)
+            except Exception as e:  # noqa: BLE001 - Redis away or slow: retried until the TTL passes
+                log.warning("renewing the scheduler lease failed: %s: %s", type(e).__name__, e)
+                wait = min(0.2, ttl / 3)
+                continue
+            if not renewed:
+                self.step_down("the lease is no longer ours (it expired, or another scheduler took it)")
+            wait = ttl / 3
 
     async def stop(self) -> None:
         if self._pull is not None:
@@ -171,6 +252,11 @@ class SchedulerService:
             await asyncio.wait(self._finishing, timeout=2.0)
         for t in [*self._tasks, *self._finishing, *self.intake.taking.values()]:
             t.cancel()
+        # A clean stop hands the lease over at once (a crash leaves it to expire after its TTL).
+        try:
+            await asyncio.wait_for(self.lease.release(), 1.0)
+        except Exception as e:  # noqa: BLE001 - Redis away: it expires by itself
+            log.warning("releasing the scheduler lease failed: %s: %s", type(e).__name__, e)
 
     # -- intake ---------------------------------------------------------------------------------------
     async def intake_loop(self) -> None:
@@ -179,6 +265,9 @@ class SchedulerService:
 
     async def _pull_loop(self) -> None:
         while self._pull is not None:
+            if not self.leading:  # stepped down: the lease loop ends run() at once
+                await asyncio.sleep(self.cfg.tick_s)
+                continue
             # At most max_active requests in the core and max_backlog more held here.
             held = self.core.active + self.intake.held
             room = self.cfg.max_active + self.cfg.max_backlog - held
@@ -234,6 +323,8 @@ class SchedulerService:
 
     # -- events ---------------------------------------------------------------------------------------
     async def _on_event(self, msg: Msg) -> None:
+        if not self.leading:
+            return
         sender = self.subjects.events_sender(msg.subject)
         try:
             ev = sched_decoder.decode(msg.data)
@@ -288,6 +379,8 @@ class SchedulerService:
 
     # -- effects ----------------------------------------------------------------------------------------
     def _apply(self, effects: list[Effect]) -> None:
+        if not self.leading:  # stepped down: a newer leader acts now
+            return
         for e in effects:
             if isinstance(e, SendDispatch):
                 self._spawn(self._send_dispatch(e))
@@ -298,9 +391,12 @@ class SchedulerService:
 
     async def _send_dispatch(self, e: SendDispatch) -> None:
         node = e.msg.ref
+        if not self.leading:
+            return
+        msg = msgspec.structs.replace(e.msg, epoch=self.epoch)
         try:
             reply = await self.nc.request(
-                self.subjects.executor(e.executor), encode(e.msg), timeout=self.cfg.dispatch_timeout_s
+                self.subjects.executor(e.executor), encode(msg), timeout=self.cfg.dispatch_timeout_s
             )
             ack = ack_decoder.decode(reply.data)
             ok, seq, error = ack.ok, ack.seq, ack.error
@@ -308,6 +404,9 @@ class SchedulerService:
             ok, seq, error = False, 0, f"no answer ({type(ex).__name__})"
         except msgspec.DecodeError as ex:
             ok, seq, error = False, 0, f"malformed ack: {ex}"
+        if not ok and error == STALE_EPOCH:
+            self.step_down(f"executor {e.executor} refused dispatch {node}: a newer scheduler has led it")
+            return
         now = time.monotonic()
         try:
             effects = self.core.dispatch_result(node, e.executor, ok=ok, seq=seq, error=error, now=now)
@@ -320,6 +419,8 @@ class SchedulerService:
     async def io_loop(self) -> None:
         while True:
             e = await self._io.get()
+            if not self.leading:
+                continue
             try:
                 match e:
                     case ChargeVTime():
@@ -329,13 +430,15 @@ class SchedulerService:
                     case SendCallback(executor=ex, msg=ready):
                         await self.nc.publish(self.subjects.executor(ex), encode(ready))
                     case SendCancel(executor=ex, msg=cancel):
+                        cancel = msgspec.structs.replace(cancel, epoch=self.epoch)
                         await self.nc.publish(self.subjects.executor(ex), encode(cancel))
                     case ReleaseAttempt(attempt=ref):
-                        await self.nc.publish(
-                            self.subjects.executors_all, encode(ReleaseRequest(ref.request_id, ref.attempt))
-                        )
+                        release = ReleaseRequest(ref.request_id, ref.attempt, epoch=self.epoch)
+                        await self.nc.publish(self.subjects.executors_all, encode(release))
                     case _:
                         log.error("no handler for effect %r", e)  # a bug: every effect must be handled
+            except StaleEpoch as ex:
+                self.step_down(str(ex))
             except Exception as ex:  # noqa: BLE001
                 if is_transient(ex):  # Redis or NATS briefly away: the in-memory state stays right
                     log.warning("carrying out %s failed: %s: %s", type(e).__name__, type(ex).__name__, ex)

@@ -264,11 +264,14 @@ def test_redis_users_are_limited_to_their_keys_and_executors_have_none(stack):
             lambda: registry.hset(k.vtime, "alice", "0"),
             lambda: gateway.hset(k.workflow_index, "x", "1"),  # nor register a workflow
             lambda: scheduler.set("other-ns:key", "1"),  # nor anyone leave the namespace
+            lambda: scheduler.set(k.request("x"), "1"),  # SET reaches its lease keys only
             lambda: gateway.flushdb(),
         ):
             with pytest.raises(redis.exceptions.NoPermissionError):
                 write()
         assert scheduler.hset(k.vtime, "probe", "1") == 1  # the control: the scheduler may
+        # The running scheduler took its lease (a script: SET NX PX, INCR) under its ACL.
+        assert scheduler.get(k.scheduler_lease) is not None and int(scheduler.get(k.scheduler_epoch)) >= 1
         with pytest.raises(redis.exceptions.AuthenticationError):
             redis.Redis.from_url(stack.redis_url, username=creds.redis["gateway"].name, password="x").ping()
     finally:

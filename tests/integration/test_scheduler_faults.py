@@ -197,7 +197,17 @@ class World:
         self.tasks.append(asyncio.create_task(coro))
 
     async def start_scheduler(self, via_proxy: bool = False, **settings) -> SchedulerService:
-        cfg = SchedulerConfig(**{"heartbeat_timeout_s": 5.0, "tick_s": 0.1, **settings})
+        self.scheduler = await self.build_scheduler(via_proxy, **settings)
+        await self.scheduler.start()
+        self._run(self.scheduler.run())
+        return self.scheduler
+
+    async def build_scheduler(self, via_proxy: bool = False, **settings) -> SchedulerService:
+        """A scheduler not started yet (its own NATS and Redis connections)."""
+        # Through the proxy, Redis outages outlast the default lease TTL (a leader that cannot renew
+        # its lease steps down): these tests are about the scheduler riding them out.
+        lease = {"lease_ttl_s": 60.0} if via_proxy else {}
+        cfg = SchedulerConfig(**{"heartbeat_timeout_s": 5.0, "tick_s": 0.1, **lease, **settings})
         redis_url = self.common.redis_url
         if via_proxy:
             host_port = redis_url.split("//", 1)[1].split("/", 1)[0]
@@ -216,12 +226,9 @@ class World:
             node_time_limit_s=cfg.node_time_limit_s,
             node_time_factor=cfg.node_time_factor,
         )
-        self.scheduler = SchedulerService(
+        return SchedulerService(
             nc=nc, redis=redis, subjects=self.subjects, keys=self.keys, core=core, cfg=cfg
         )
-        await self.scheduler.start()
-        self._run(self.scheduler.run())
-        return self.scheduler
 
     async def start_registry(self) -> None:
         nc = await connect(self.common.nats_url, "registry")
@@ -262,14 +269,19 @@ class World:
         return ex
 
     async def submit(
-        self, n: int = 1, *, submitted_at: float | None = None, timeout_s: float = 300.0
+        self,
+        n: int = 1,
+        *,
+        submitted_at: float | None = None,
+        timeout_s: float = 300.0,
+        tenant: str = "tenant-a",
     ) -> list[str]:
         ids = []
         for _ in range(n):
             rid = "r" + uuid.uuid4().hex[:12]
             req = ImageRequest(
                 rid,
-                "tenant-a",
+                tenant,
                 WORKFLOW,
                 self.version,
                 {"prompt": "x", "seed": 0, "num_inference_steps": STEPS},
