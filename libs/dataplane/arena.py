@@ -438,18 +438,13 @@ class ShmArena(Arena):
     def _reserve(self, capacity: int) -> None:
         assert self._shm is not None
         try:
-            os.posix_fallocate(self._shm._fd, 0, capacity)  # type: ignore[attr-defined]
-        except OSError as exc:
-            if exc.errno in (95, 45):  # EOPNOTSUPP / ENOTSUP (macOS): nothing to reserve with
-                return
+            reserve_segment(self._shm, self.name, capacity)
+        except DataPlaneError:
             self._shm.close()
             self._shm.unlink()
             self._shm = None
             self._closed = True
-            raise DataPlaneError(
-                f"cannot reserve {capacity} bytes of shared memory for {self.name!r} ({exc.strerror}); "
-                "is /dev/shm large enough?"
-            ) from exc
+            raise
 
     @property
     def owner(self) -> bool:
@@ -479,3 +474,18 @@ class ShmArena(Arena):
                 shm.unlink()
             except FileNotFoundError:
                 pass
+
+
+def reserve_segment(shm: shared_memory.SharedMemory, name: str, size: int) -> None:
+    """Back ``size`` bytes of a new shared-memory segment now (``posix_fallocate``), so a full
+    ``/dev/shm`` fails here with a clear error rather than as a SIGBUS on first touch. A filesystem
+    that cannot reserve (macOS) is left as it is."""
+    try:
+        os.posix_fallocate(shm._fd, 0, size)  # type: ignore[attr-defined]
+    except OSError as exc:
+        if exc.errno in (95, 45):  # EOPNOTSUPP / ENOTSUP (macOS): nothing to reserve with
+            return
+        raise DataPlaneError(
+            f"cannot reserve {size} bytes of shared memory for {name!r} ({exc.strerror}); "
+            "is /dev/shm large enough?"
+        ) from exc

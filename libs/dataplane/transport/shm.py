@@ -24,7 +24,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 
-from libs.dataplane.arena import Segment, ShmArena, segment_name, unlink_segment
+from libs.dataplane.arena import Segment, ShmArena, reserve_segment, segment_name, unlink_segment
 from libs.dataplane.errors import DataPlaneError, TransportError
 from libs.dataplane.transport.base import Transport, copy_bytes
 from libs.dataplane.transport.tags import TAG, TagTable, check_tag, expected_tag, slots_for, stale
@@ -97,7 +97,7 @@ class ShmTransport(Transport):
         )
         try:
             if reserve:
-                self._reserve(name, size)
+                reserve_segment(self._shm, name, size)
             # At the end of the segment as mapped (macOS rounds sizes up to pages; readers find
             # the descriptor at st_size - 16).
             DESCRIPTOR.pack_into(self._shm.buf, self._shm.size - DESCRIPTOR.size, DESCRIPTOR_MAGIC, capacity)
@@ -111,18 +111,6 @@ class ShmTransport(Transport):
         self._peers: OrderedDict[str, _Peer] = OrderedDict()
         self._lock = threading.Lock()
         self._closed = False
-
-    def _reserve(self, name: str, size: int) -> None:
-        assert self._shm is not None
-        try:
-            os.posix_fallocate(self._shm._fd, 0, size)  # type: ignore[attr-defined]
-        except OSError as exc:
-            if exc.errno in (95, 45):  # EOPNOTSUPP / ENOTSUP (macOS): nothing to reserve with
-                return
-            raise DataPlaneError(
-                f"cannot reserve {size} bytes of shared memory for {name!r} ({exc.strerror}); "
-                "is /dev/shm large enough?"
-            ) from exc
 
     def _destroy(self) -> None:
         """Close and unlink our segment (once the arena and tags no longer view it)."""
