@@ -53,6 +53,7 @@ class Stack:
     sim_executors: int = 0  # simulated executors, all in one extra process
     sim_profile: str = "paper-h800"
     sim_time_scale: float = 1.0
+    schedulers: int = 1  # 2+: scheduler-0, scheduler-1, ... (one leads: the lease decides)
     scheduler_env: dict[str, str] = field(default_factory=dict)
     gateway_env: dict[str, str] = field(default_factory=dict)
     extra_env: dict[str, str] = field(default_factory=dict)
@@ -63,6 +64,7 @@ class Stack:
     # The executors' shared secret for the tcp data plane (secure stacks: the credentials' own).
     dataplane_token: str = field(default_factory=lambda: secrets.token_hex(32))
     _nats: subprocess.Popen | None = None
+    _spawned: dict[str, tuple[str, dict[str, str]]] = field(default_factory=dict)  # for restart()
 
     @property
     def url(self) -> str:
@@ -96,6 +98,7 @@ class Stack:
         )
         out.close()
         self.procs[name] = proc
+        self._spawned[name] = (module, dict(env))
         return proc
 
     def start_executor(self, name: str) -> subprocess.Popen:
@@ -113,8 +116,13 @@ class Stack:
         )
 
     def start_scheduler(self) -> subprocess.Popen:
+        """One scheduler ("scheduler"), or ``schedulers`` of them ("scheduler-0", ...): the first
+        to take the lease leads, the others wait as standbys. Returns the last one started."""
         env = {"T2I_SCHEDULER_HEARTBEAT_TIMEOUT_S": "3", **self.scheduler_env}
-        return self.spawn("scheduler", "services.scheduler", **env)
+        names = ["scheduler"] if self.schedulers <= 1 else [f"scheduler-{i}" for i in range(self.schedulers)]
+        for name in names:
+            proc = self.spawn(name, "services.scheduler", **env)
+        return proc
 
     def start(self, timeout: float = 120.0) -> Stack:
         try:
@@ -264,6 +272,14 @@ class Stack:
         proc = self.procs[name]
         proc.send_signal(sig)
         proc.wait(10)
+
+    def restart(self, name: str, sig: int = signal.SIGKILL) -> subprocess.Popen:
+        """Kill the process ``name`` (SIGKILL: a crash) if it still runs, and start it again with the
+        same module and environment (tests of a crash). Its log goes on in the same file."""
+        module, env = self._spawned[name]
+        if self.procs[name].poll() is None:
+            self.kill(name, sig)
+        return self.spawn(name, module, **env)
 
     def stop(self, timeout: float = 15.0) -> None:
         for proc in self.procs.values():
