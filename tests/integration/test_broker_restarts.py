@@ -13,8 +13,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-import urllib.error
-import urllib.request
 import uuid
 
 import pytest
@@ -25,6 +23,7 @@ from libs.protocol.keys import Keys
 from libs.sim.workflows import sim_workflow
 from libs.workflow.spec import encode_spec
 from tests.conftest import free_port
+from tests.support.http import generate
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -33,22 +32,7 @@ DOWN_S = 3.0
 
 
 def call(stack: Stack, body: dict, key: str, timeout: float) -> tuple[int, dict]:
-    req = urllib.request.Request(
-        stack.url + "/v1/images/generations", data=json.dumps(body).encode(), method="POST"
-    )
-    req.add_header("Authorization", f"Bearer {stack.api_keys.split(',')[0].split('=')[0]}")
-    req.add_header("Content-Type", "application/json")
-    req.add_header("Idempotency-Key", key)
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read() or b"{}")
-    except urllib.error.HTTPError as e:
-        try:
-            return e.code, json.loads(e.read() or b"{}")
-        except json.JSONDecodeError:
-            return e.code, {}
-    except (urllib.error.URLError, ConnectionError, TimeoutError):
-        return 0, {}
+    return generate(stack.url, stack.api_keys.split(",")[0].split("=")[0], body, key, timeout)
 
 
 @pytest.fixture

@@ -26,8 +26,6 @@ import os
 import random
 import threading
 import time
-import urllib.error
-import urllib.request
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
@@ -39,6 +37,7 @@ from libs.protocol.keys import Keys
 from libs.sim.workflows import sim_workflow
 from libs.workflow.spec import encode_spec
 from tests.conftest import free_port
+from tests.support.http import generate
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -49,22 +48,7 @@ RETRYABLE = (0, 429, 500, 502, 503, 504)
 
 
 def call(stack: Stack, key: str, body: dict, idem: str, timeout: float) -> tuple[int, dict]:
-    req = urllib.request.Request(
-        stack.url + "/v1/images/generations", data=json.dumps(body).encode(), method="POST"
-    )
-    req.add_header("Authorization", f"Bearer {key}")
-    req.add_header("Content-Type", "application/json")
-    req.add_header("Idempotency-Key", idem)
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read() or b"{}")
-    except urllib.error.HTTPError as e:
-        try:
-            return e.code, json.loads(e.read() or b"{}")
-        except json.JSONDecodeError:
-            return e.code, {}
-    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-        return 0, {}
+    return generate(stack.url, key, body, idem, timeout)
 
 
 @pytest.fixture

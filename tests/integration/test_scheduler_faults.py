@@ -334,6 +334,7 @@ async def test_requests_submitted_while_the_registry_is_unreachable_all_complete
     results = await world.wait_results(ids, within_s=30.0)
     assert sorted(results) == sorted(ids), f"lost {set(ids) - set(results)}"
     assert {r.status for r in results.values()} == {"succeeded"}, results
+    assert await until(_drained(world), 5.0)  # acked once each result is stored (just after it is published)
     info = await world.consumer()
     assert info.num_redelivered == 0 and info.num_ack_pending == 0 and info.num_pending == 0
     assert info.config.max_deliver == -1
@@ -352,6 +353,7 @@ async def test_requests_taken_in_while_redis_is_unreachable_complete_when_it_ret
     world.proxy.restore()
     results = await world.wait_results(ids, within_s=30.0)
     assert sorted(results) == sorted(ids) and {r.status for r in results.values()} == {"succeeded"}
+    assert await until(_drained(world), 5.0)  # acked once each result is stored (just after it is published)
     info = await world.consumer()
     assert info.num_redelivered == 0 and info.num_ack_pending == 0
 
