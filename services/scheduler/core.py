@@ -49,7 +49,7 @@ from libs.protocol.messages import (
 )
 from libs.protocol.tensor_meta import TensorMeta
 from libs.workflow.dag import Const, Dag, ImageSource, LoraSource, TensorSource
-from services.scheduler import views
+from services.scheduler import seen, views
 from services.scheduler.accounting import Accounts
 from services.scheduler.effects import (
     Effect,
@@ -60,13 +60,13 @@ from services.scheduler.effects import (
     SendCancel,
     SendDispatch,
 )
-from services.scheduler.estimates import Estimator, shape_key
+from services.scheduler.estimates import Estimator
 from services.scheduler.executors import ExecutorState
 from services.scheduler.guards import overdue, timing_problem
 from services.scheduler.lifecycle import NodeRecord, NodeState, NodeTable
 from services.scheduler.policy import Policy
 from services.scheduler.records import RequestRun, metas_of
-from services.scheduler.snapshot import ExecutorInfo, ReadyNode, Snapshot
+from services.scheduler.snapshot import Snapshot
 
 log = logging.getLogger(__name__)
 
@@ -257,58 +257,13 @@ class SchedulerCore:
         idle_execs = [e for e in self.executors.values() if e.idle]
         kinds = {e.kind for e in idle_execs}
         kind = next(iter(kinds)) if len(kinds) == 1 else None  # estimates per kind when unambiguous
-        ready = []
-        for run in self.runs.values():
-            tensors = run.tensors
-            for rec in run.nodes.ready.values():
-                node = rec.node
-                inputs = tuple(
-                    (m.executor, m.nbytes)
-                    for s in node.inputs.values()
-                    if isinstance(s, TensorSource) and s in tensors
-                    for m in metas_of(tensors[s])
-                )
-                shapes = self._shapes(run, node.id)
-                ready.append(
-                    ReadyNode(
-                        ref=rec.ref,
-                        tenant=run.req.tenant,
-                        fn=node.fn,
-                        model=node.model,
-                        order=node.order,
-                        submitted_at=run.arrived,
-                        ready_since=rec.ready_since,
-                        inputs=inputs,
-                        est_s=self.estimator.estimate(node.fn, node.model, shapes, kind),
-                        load_s=self.estimator.load_estimate(node.fn, node.model, kind),
-                        load_host_s=self.estimator.load_estimate(node.fn, node.model, kind, tier="host"),
-                        remaining_s=rec.critical_s,
-                        job_s=run.job_s,
-                    )
-                )
-        idle = tuple(
-            ExecutorInfo(
-                id=e.id,
-                fns=e.fns,
-                resident=e.resident,
-                load=e.busy(now),
-                arena_free=e.arena_free,
-                kind=e.kind,
-                arena_capacity=e.arena_capacity,
-                host_resident=e.host_resident,
-                cached=e.cached,
-            )
-            for e in idle_execs
+        ready = tuple(
+            seen.ready_node(run, rec, self.estimator, kind)
+            for run in self.runs.values()
+            for rec in run.nodes.ready.values()
         )
-        return Snapshot(now=now, ready=tuple(ready), idle=idle, tenants=self.accounts.views())
-
-    def _shapes(self, run: RequestRun, node_id: str) -> str:
-        node = run.dag.nodes[node_id]
-        return shape_key(
-            (name, [d for m in metas_of(run.tensors[src]) for d in m.shape])
-            for name, src in node.inputs.items()
-            if isinstance(src, TensorSource) and src in run.tensors
-        )
+        idle = tuple(seen.executor_info(e, now) for e in idle_execs)
+        return Snapshot(now=now, ready=ready, idle=idle, tenants=self.accounts.views())
 
     def schedule(self, now: float) -> list[Effect]:
         """Run the policy: lifts for tenants that (re)joined, then dispatches to idle executors.
@@ -374,7 +329,7 @@ class SchedulerCore:
     ) -> list[Effect]:
         # Its callback consumers may start from now on (paper §5.2): they become ready here.
         rec = run.nodes.dispatch(
-            node_id, ex.id, now, charge_s=charge_s, shapes=self._shapes(run, node_id), kind=ex.kind
+            node_id, ex.id, now, charge_s=charge_s, shapes=seen.input_shapes(run, node_id), kind=ex.kind
         )
         node = rec.node
         ex.note_dispatch(rec.ref, now)
