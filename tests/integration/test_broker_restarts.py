@@ -16,14 +16,13 @@ import time
 import uuid
 
 import pytest
-import redis
 
 from libs.launcher.stack import Stack
-from libs.protocol.keys import Keys
 from libs.sim.workflows import sim_workflow
 from libs.workflow.spec import encode_spec
 from tests.conftest import free_port
 from tests.support.http import generate
+from tests.support.stacks import started
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -50,18 +49,8 @@ def stack(broker_urls, tmp_path):
         secure=True,
         gateway_env={"T2I_GATEWAY_REQUEST_TIMEOUT_S": "20"},
     )
-    s.start(timeout=60)
-    try:
+    with started(s):
         yield s
-    finally:
-        s.stop()
-        r = redis.Redis.from_url(redis_url)
-        try:
-            keys = list(r.scan_iter(match=Keys(s.namespace).pattern(), count=1000))
-            if keys:
-                r.delete(*keys)
-        finally:
-            r.close()
 
 
 def test_requests_in_flight_survive_a_nats_crash_and_restart(stack: Stack) -> None:

@@ -38,6 +38,7 @@ from libs.sim.workflows import sim_workflow
 from libs.workflow.spec import encode_spec
 from tests.conftest import free_port
 from tests.support.http import generate
+from tests.support.stacks import started
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -72,18 +73,8 @@ def stack(broker_urls, tmp_path):
         scheduler_env={"T2I_SCHEDULER_LEASE_TTL_S": "2", "T2I_SCHEDULER_ACK_WAIT_S": "3"},
         gateway_env={"T2I_GATEWAY_REQUEST_TIMEOUT_S": "120"},
     )
-    s.start(timeout=60)
-    try:
+    with started(s):
         yield s
-    finally:
-        s.stop()
-        r = redis.Redis.from_url(redis_url)
-        try:
-            keys = list(r.scan_iter(match=Keys(s.namespace).pattern(), count=1000))
-            if keys:
-                r.delete(*keys)
-        finally:
-            r.close()
 
 
 def leader(stack: Stack, r: redis.Redis, wait_s: float = 30.0) -> str:
