@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 
 import msgspec
 from nats.aio.client import Client
@@ -83,6 +84,13 @@ class _NodeEvent(msgspec.Struct):
     request_id: str = ""
     attempt: int = 0
     node_id: str = ""
+
+
+@dataclass(frozen=True)
+class _Flushed:
+    """A marker in the effects queue: ``event`` is set when everything queued before it was done."""
+
+    event: asyncio.Event
 
 
 class SchedulerService:
@@ -385,7 +393,11 @@ class SchedulerService:
             if isinstance(e, SendDispatch):
                 self._spawn(self._send_dispatch(e))
             elif isinstance(e, Finished):  # at once: a Redis outage must not hold the answer up
-                self._finish_soon(e.result, e.tenant, self.intake.handles.pop(e.result.request_id, None))
+                flushed = asyncio.Event()  # set once the effects queued before it were carried out
+                self._io.put_nowait(_Flushed(flushed))
+                self._finish_soon(
+                    e.result, e.tenant, self.intake.handles.pop(e.result.request_id, None), flushed
+                )
             else:
                 self._io.put_nowait(e)  # in order: a callback's metadata follows its dispatch
 
@@ -419,6 +431,9 @@ class SchedulerService:
     async def io_loop(self) -> None:
         while True:
             e = await self._io.get()
+            if isinstance(e, _Flushed):  # even when not leading: nothing waits on it for ever
+                e.event.set()
+                continue
             if not self.leading:
                 continue
             try:
@@ -464,23 +479,51 @@ class SchedulerService:
         into.add(t)
         t.add_done_callback(into.discard)
 
-    def _finish_soon(self, result: RequestResult, tenant: str, m: Msg | None) -> None:
-        self._spawn(self._finish(result, tenant, m), self._finishing)
+    def _finish_soon(
+        self, result: RequestResult, tenant: str, m: Msg | None, flushed: asyncio.Event | None = None
+    ) -> None:
+        self._spawn(self._finish(result, tenant, m, flushed), self._finishing)
         self.intake.wake.set()  # a request left the core (or the intake): room to admit another
 
-    async def _finish(self, result: RequestResult, tenant: str, m: Msg | None) -> None:
-        """Publish the result, ack the intake message, then store the result in Redis (retried)."""
+    async def _finish(
+        self, result: RequestResult, tenant: str, m: Msg | None, flushed: asyncio.Event | None = None
+    ) -> None:
+        """Publish the result (the answer is not held up), then make the request's end durable —
+        the charges and state queued before it carried out, the result stored in Redis (retried) —
+        and only then ack the intake message, kept alive meanwhile: a scheduler that dies before
+        the ack leaves the message to the next one, which finds the result in Redis (or, if it was
+        never stored, runs the request again); it never leaves a request answered but unrecorded."""
         rid = result.request_id
         data = encode(result)
         try:
             await self.nc.publish(self.subjects.result(rid), data)
         except Exception as ex:  # noqa: BLE001 - the gateway also polls Redis for it
             log.warning("publishing the result of %s failed: %s; it goes to Redis", rid, ex)
-        if m is not None:
+        keep_alive = asyncio.create_task(self._keep_alive(m)) if m is not None else None
+        try:
+            if flushed is not None:
+                await flushed.wait()
+            await self._store_result(result, tenant, data)
+        finally:
+            if keep_alive is not None:
+                keep_alive.cancel()
+        if m is not None and self.leading:
             try:
                 await retry_transient(m.ack, f"acking {rid}", backoff=self._backoff(), give_up_after_s=10.0)
             except Exception as ex:  # noqa: BLE001 - a redelivery finds the result in Redis
                 log.warning("ack of %s failed: %s", rid, ex)
+
+    async def _keep_alive(self, m: Msg) -> None:
+        """``in_progress`` on ``m`` every third of the ack wait, until cancelled."""
+        while True:
+            await asyncio.sleep(max(0.5, self.cfg.ack_wait_s / 3))
+            try:
+                await m.in_progress()
+            except Exception as ex:  # noqa: BLE001 - a redelivery finds the result in Redis
+                log.debug("keep-alive of a finished request failed: %s", ex)
+
+    async def _store_result(self, result: RequestResult, tenant: str, data: bytes) -> None:
+        rid = result.request_id
         log.info(
             "request %s %s: %d nodes on %s, %d bytes moved, %.3fs executor time%s",
             rid,
@@ -507,7 +550,7 @@ class SchedulerService:
                 backoff=self._backoff(),
                 give_up_after_s=self.cfg.result_retry_s,
             )
-        except Exception:  # noqa: BLE001 - the result was published and the message acked
+        except Exception:  # noqa: BLE001 - published; the message is acked regardless (no recompute)
             log.exception("storing the result of %s in Redis failed for good", rid)
 
     def _backoff(self) -> Backoff:
