@@ -105,7 +105,9 @@ def redis_rules(ns: str, role: str) -> list[str] | None:
     k = Keys(ns)
     extra: list[str] = []
     if role == "gateway":  # request state; the tenant counters read-only (GET /v1/admin/tenants)
-        keys = [f"~{k.request('*')}", *(f"%R~{x}" for x in (k.vtime, k.service, k.ops, k.tenants))]
+        # ... and what its per-tenant limits read: the scheduler's backlog counts, GPU-s per window.
+        counters = (k.vtime, k.service, k.ops, k.tenants, k.backlog, k.gpu_window_pattern)
+        keys = [f"~{k.request('*')}", *(f"%R~{x}" for x in counters)]
         cmds = ["+hset", "+hget", "+hmget", "+hgetall", "+expire"]
         # Its own records (services/gateway/records.py: generations, idempotency keys): a selector,
         # so GET/SET/DEL reach those keys only.
@@ -115,14 +117,17 @@ def redis_rules(ns: str, role: str) -> list[str] | None:
         cmds = ["+hset", "+hget", "+hgetall", *_REDIS_SCRIPTS]
     elif role == "scheduler":  # request state, tensor metadata, tenant counters (a Lua script)
         lease = (k.scheduler_lease, k.scheduler_epoch)
-        keys = [
-            f"~{x}" for x in (k.request("*"), k.tensors("*"), k.vtime, k.ops, k.service, k.tenants, *lease)
-        ]
+        own = (k.request("*"), k.tensors("*"), k.vtime, k.ops, k.service, k.tenants, k.backlog)
+        keys = [f"~{x}" for x in (*own, k.gpu_window_pattern, *lease)]
         cmds = ["+hset", "+hget", "+hgetall", "+hincrby", "+expire", "+del", *_REDIS_SCRIPTS]
         # The lease and its fencing token (services/scheduler/lease.py: SET NX PX, INCR, GET and
         # PEXPIRE, inside its scripts and the vTime script): a selector, so these commands reach
         # those two keys only.
-        extra = [f"({' '.join(f'~{x}' for x in lease)} +set +get +incr +pexpire)"]
+        # The GPU-second quota window the gateway sets: read only.
+        extra = [
+            f"({' '.join(f'~{x}' for x in lease)} +set +get +incr +pexpire)",
+            f"(%R~{k.quota_window} +get)",
+        ]
     elif role in ("executor", ADMIN):
         return None
     else:

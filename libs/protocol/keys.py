@@ -11,6 +11,10 @@
 | ``{ns}:ops`` | hash | tenant -> dispatched ModelFn executions (the VTC baseline's counter) |
 | ``{ns}:service`` | hash | tenant -> measured GPU seconds received (no estimates, no lifts) |
 | ``{ns}:tenants`` | hash | tenant -> JSON operator view (vTime, service, queued/running), refreshed each second |
+| ``{ns}:backlog`` | hash | tenant -> requests the scheduler took in and holds for admission (short TTL) |
+| ``{ns}:gpu_s:{window_s}:{index}`` | hash | tenant -> measured GPU seconds charged in window ``index`` (TTL 2 windows) |
+| ``{ns}:gw:quota:window_s`` | string | the GPU-second quota window (seconds), set by the gateway; the scheduler counts in it |
+| ``{ns}:gw:limits:{tenant}`` | string | JSON per-tenant overrides of the gateway's limits (``queued``, ``gpu_s``), set by an admin |
 | ``{ns}:scheduler:lease`` | string | the leading scheduler's holder id, with a TTL (``services/scheduler/lease.py``) |
 | ``{ns}:scheduler:epoch`` | string | the fencing token: incremented by every acquisition of the lease |
 """
@@ -56,6 +60,26 @@ class Keys:
     @property
     def tenants(self) -> str:
         return f"{self.ns}:tenants"
+
+    @property
+    def backlog(self) -> str:
+        return f"{self.ns}:backlog"
+
+    def gpu_window(self, window_s: int, index: int) -> str:
+        """Measured GPU seconds per tenant charged in window ``index`` (``time // window_s``)."""
+        return f"{self.ns}:gpu_s:{window_s}:{index}"
+
+    @property
+    def gpu_window_pattern(self) -> str:
+        """Every window's GPU-seconds hash (an ACL key pattern)."""
+        return f"{self.ns}:gpu_s:*"
+
+    @property
+    def quota_window(self) -> str:
+        return f"{self.ns}:gw:quota:window_s"
+
+    def tenant_limits(self, tenant: str) -> str:
+        return f"{self.ns}:gw:limits:{tenant}"
 
     @property
     def scheduler_lease(self) -> str:

@@ -10,6 +10,7 @@
 | ``GET /v1/loras``, ``GET /v1/loras/{name}`` | tenant | list / look up LoRAs (names and descriptions, never paths) |
 | ``GET /v1/workflows``, ``GET /v1/workflows/{name}`` | tenant | list / look up workflows |
 | ``GET /v1/admin/tenants`` | admin | per-tenant vTime, service, queued/running counts |
+| ``GET``/``PUT /v1/admin/tenants/{tenant}/limits`` | admin | a tenant's queued limit and GPU-second quota, and overrides of them (``limits.py``) |
 | ``GET /healthz`` | anyone | the process is up |
 | ``GET /readyz`` | anyone | NATS is connected and a registry answers |
 | ``GET /metrics`` | anyone | Prometheus counters |
@@ -41,7 +42,7 @@ from libs.protocol.subjects import Subjects
 from libs.workflow.spec import encode_spec
 from services.gateway import images, loras
 from services.gateway.admission import Admission
-from services.gateway.auth import ApiKeys, bearer
+from services.gateway.auth import TENANT, ApiKeys, bearer
 from services.gateway.body import BUS_PAYLOAD_LIMIT, json_object, read_json
 from services.gateway.bridge import Bridge
 from services.gateway.config import GatewayConfig
@@ -52,6 +53,7 @@ from services.gateway.context import (
     CONFIG,
     DECODE_SLOTS,
     KEYS,
+    LIMITS,
     METRICS,
     PRINCIPAL,
     RECORDS,
@@ -59,6 +61,7 @@ from services.gateway.context import (
 )
 from services.gateway.errors import ApiError, add_retry_header
 from services.gateway.inputs import DECODE_SLOTS as DECODE_SLOT_COUNT
+from services.gateway.limits import TenantLimits, parse_overrides
 from services.gateway.records import Records
 
 log = logging.getLogger(__name__)
@@ -178,6 +181,29 @@ async def admin_tenants(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": data})
 
 
+def _tenant_param(request: web.Request) -> str:
+    tenant = request.match_info["tenant"]
+    if not TENANT.match(tenant):
+        raise ApiError(404, f"no tenant {tenant[:64]!r}", param="tenant", code="not_found")
+    return tenant
+
+
+async def get_tenant_limits(request: web.Request) -> web.Response:
+    """A tenant's effective queued limit and GPU-second quota, its overrides, and its usage."""
+    require_admin(request, "tenant limits")
+    return web.json_response(await request.app[LIMITS].describe(_tenant_param(request)))
+
+
+async def put_tenant_limits(request: web.Request) -> web.Response:
+    """Override a tenant's queued limit and/or GPU-second quota (null: back to the default)."""
+    require_admin(request, "setting tenant limits")
+    tenant = _tenant_param(request)
+    overrides = parse_overrides(json_object(await read_json(request, BUS_PAYLOAD_LIMIT)))
+    limits = request.app[LIMITS]
+    await limits.set_overrides(tenant, overrides)
+    return web.json_response(await limits.describe(tenant))
+
+
 # -- operations ----------------------------------------------------------------------------------------
 async def healthz(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
@@ -212,6 +238,9 @@ async def _bridge_ctx(app: web.Application) -> AsyncIterator[None]:
     await bridge.start()
     app[BRIDGE] = bridge
     app[RECORDS] = Records(redis, common.namespace)
+    app[LIMITS] = limits = TenantLimits(app[CONFIG], redis, Keys(common.namespace))
+    if app[CONFIG].tenant_gpu_s > 0:  # the scheduler counts GPU time per window from now on
+        await limits.announce_window(force=True)
     app[DECODE_SLOTS] = asyncio.Semaphore(DECODE_SLOT_COUNT)
     yield
     for task in list(app[TASKS]):
@@ -243,6 +272,8 @@ def make_app(cfg: GatewayConfig, common: CommonSettings, keys: ApiKeys) -> web.A
     app.router.add_get("/v1/loras", list_loras)
     app.router.add_get("/v1/loras/{name}", get_lora)
     app.router.add_get("/v1/admin/tenants", admin_tenants)
+    app.router.add_get("/v1/admin/tenants/{tenant}/limits", get_tenant_limits)
+    app.router.add_put("/v1/admin/tenants/{tenant}/limits", put_tenant_limits)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)

@@ -17,5 +17,13 @@ class GatewayConfig(msgspec.Struct, forbid_unknown_fields=True):
     max_n: int = 8  # images per call
     max_inflight: int = 256  # images in progress (all tenants) before answering 429
     tenant_inflight: int = 32  # images in progress for one tenant before answering it 429
+    # Requests one tenant may have queued (taken in, not started) across the platform, as the
+    # scheduler reports them; beyond it 429 (limits.py). 0: unlimited (the default: the in-flight
+    # limit bounds each gateway, and the scheduler's max_tenant_backlog the whole platform).
+    tenant_queued: int = 0
+    # Measured GPU-seconds one tenant may use per quota window; beyond it 429 until the window
+    # ends. 0: no quota (the default). Admins may override both per tenant (limits.py).
+    tenant_gpu_s: float = 0.0
+    quota_window_s: int = 3600  # the quota window (aligned to the unix epoch)
     max_body_mb: float = 8.0  # a generation body (control images); other bodies: 512 KiB (body.py)
     public_url: str = ""  # base of image URLs for response_format "url" (default: from the request)

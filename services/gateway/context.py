@@ -12,6 +12,7 @@ from services.gateway.admission import Admission
 from services.gateway.auth import ApiKeys, Principal
 from services.gateway.bridge import Bridge
 from services.gateway.config import GatewayConfig
+from services.gateway.limits import TenantLimits
 from services.gateway.records import Records
 
 CONFIG = web.AppKey("config", GatewayConfig)
@@ -21,6 +22,7 @@ BRIDGE = web.AppKey("bridge", Bridge)
 RECORDS = web.AppKey("records", Records)
 METRICS = web.AppKey("metrics", Counter)
 ADMISSION = web.AppKey("admission", Admission)
+LIMITS = web.AppKey("limits", TenantLimits)
 DECODE_SLOTS = web.AppKey("decode_slots", asyncio.Semaphore)
 TASKS = web.AppKey("tasks", set)  # generation tasks that outlive their HTTP call
 PRINCIPAL = web.RequestKey("principal", Principal)

@@ -39,6 +39,7 @@ from services.gateway.context import (
     BRIDGE,
     CONFIG,
     DECODE_SLOTS,
+    LIMITS,
     METRICS,
     PRINCIPAL,
     RECORDS,
@@ -103,8 +104,11 @@ async def generate(request: web.Request) -> web.Response:
             return await replay(request, held, fp)
 
     # Admitted before any heavy work (decoding control images): a tenant at its limit costs nothing.
+    # The platform-wide limits (queued, GPU-second quota; limits.py) first, then this process's.
+    await app[LIMITS].check(who.tenant, gen.n)
     admission = app[ADMISSION]
     admission.admit(who.tenant, gen.n)
+    app[LIMITS].admitted(who.tenant, gen.n)
     gen_id = uuid.uuid4().hex[:20]
     task: asyncio.Task[list[RequestResult | None]] | None = None
     claim = IdempotencyRecord(gen_id, fp) if key else None
@@ -198,6 +202,10 @@ async def _submit_and_wait(
             *(bridge.wait(r.request_id, rec.timeout_s + 5, f) for r, f in zip(reqs, futures, strict=True))
         )
         await bridge.remember([r for r in results if r is not None])
+        if key and claim and any(r is not None and r.error_code == "rate_limited" for r in results):
+            # Answered 429 (worth retrying): a retry with the same key must be a new call, not
+            # this answer again.
+            await records.release(rec.tenant, key, claim)
         return list(results)
     finally:
         for r, f in zip(reqs, futures, strict=True):

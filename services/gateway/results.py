@@ -19,6 +19,8 @@ from libs.protocol.ids import image_object
 from libs.protocol.messages import RequestResult, result_decoder
 from services.gateway.errors import ApiError
 
+RATE_LIMITED_RETRY_AFTER_S = 2  # the scheduler's backlog of the tenant was full: retry a little later
+
 Status = Literal["queued", "running", "succeeded", "failed"]
 # What the scheduler writes into ``{ns}:req:{id}`` -> what a tenant is told.
 STATUS: dict[str, Status] = {
@@ -87,6 +89,8 @@ def error_of(
         return ApiError(422, message, code=code)
     if code == "timeout":
         return ApiError(504, message, code=code)
+    if code == "rate_limited":  # the tenant's backlog at the scheduler is full (max_tenant_backlog)
+        return ApiError(429, message, code=code, retry_after=RATE_LIMITED_RETRY_AFTER_S)
     return ApiError(500, f"request {request_id} failed: {message or 'no image produced'}", code=code)
 
 

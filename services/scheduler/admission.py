@@ -73,6 +73,11 @@ class Backlog:
         """Queued requests per tenant."""
         return {t: len(q) for t, q in self._queues.items()}
 
+    def count(self, tenant: str) -> int:
+        """Queued requests of ``tenant``."""
+        q = self._queues.get(tenant)
+        return len(q) if q is not None else 0
+
     def push(self, item: Queued) -> None:
         q = self._queues.setdefault(item.tenant, deque())
         if not q or q[-1].seq < item.seq:

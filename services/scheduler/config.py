@@ -18,6 +18,11 @@ class SchedulerConfig(msgspec.Struct, forbid_unknown_fields=True):
     # Requests taken in beyond max_active, queued per tenant and admitted to the core in the policy's
     # order (admission.py); past max_active + max_backlog the rest wait in JetStream.
     max_backlog: int = 10_000
+    # Requests of one tenant queued in that backlog at most: the next one taken in is answered
+    # ``rate_limited`` (the gateway: 429), so one tenant cannot hold more than half the backlog and
+    # push the others' requests back into JetStream (0: no limit). The counts are published to
+    # ``{ns}:backlog`` for the gateway's per-tenant queued limit (intake.py).
+    max_tenant_backlog: int = 5_000
     max_node_retries: int = 2
     max_restarts: int = 2
     request_ttl_s: int = 86400  # how long request state stays in Redis after it ends

@@ -2,7 +2,8 @@
 
 Every intake message ends in exactly one of two ways: the request is handed to the core (which
 always ends it with a ``Finished`` effect, hence a result), or it is answered here with a failed
-:class:`RequestResult` naming why (``bad_params``, ``workflow``, ``timeout``, ``internal``). The one
+:class:`RequestResult` naming why (``bad_params``, ``workflow``, ``timeout``, ``rate_limited``,
+``internal``). The one
 exception is a message without a usable request id: there is no subject to answer on, so it is
 logged and terminated.
 
@@ -24,6 +25,13 @@ A request taken in is not handed to the core at once: it waits in the backlog
 alive, until the service admits it (:meth:`Intake.admit_queued`) in the order the policy would serve its tenant
 (``admission.py``). One whose deadline passes while it waits is answered ``timeout``
 (:meth:`Intake.expire_queued`).
+
+Per-tenant limits (``docs/scheduling.md``, "Per-tenant limits"): a tenant with
+``max_tenant_backlog`` requests queued already has the next one answered ``rate_limited`` before
+anything else is done for it (the gateway answers 429, worth retrying), so one tenant cannot fill
+the backlog. The backlog's per-tenant counts go to ``{ns}:backlog`` (with a short TTL, so a dead
+scheduler's counts vanish) for the gateway's per-tenant queued limit, refreshed from
+:meth:`Intake.expire_queued`, which the service's admission loop calls every tick.
 """
 
 from __future__ import annotations
@@ -112,6 +120,10 @@ class Intake:
         self.wake = asyncio.Event()
         self._seq = 0  # arrival order of messages at this scheduler
         self.epoch = 0  # the scheduler's lease epoch, sent with its releases (fencing)
+        self._published: dict[str, int] | None = None  # backlog counts last written (None: never)
+        self._published_at = -float("inf")  # monotonic
+        self._publishing: asyncio.Task | None = None
+        self._publish_failed = False
 
     @property
     def pending(self) -> int:
@@ -140,11 +152,49 @@ class Intake:
         return admitted
 
     def expire_queued(self, now: float) -> int:
-        """Answer ``timeout`` to every queued request whose deadline has passed; how many."""
+        """Answer ``timeout`` to every queued request whose deadline has passed; how many. Also
+        refreshes the published backlog counts (:meth:`publish_counts`)."""
         late = self.backlog.expired(now)
         for item in late:
             self._answer(item.req, failed(item.req.request_id, _late(item, now), "timeout"))
+        self.publish_counts(now)
         return len(late)
+
+    def publish_counts(self, now: float) -> None:
+        """Write the backlog's per-tenant counts to ``{ns}:backlog`` in a task of its own, when they
+        changed since the last write, or every ``view_s`` anyway (to renew the key's TTL). A
+        tenant whose count fell to zero is written as 0 once (HDEL is not among the scheduler's
+        Redis commands); the first write replaces whatever an earlier scheduler left."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # driven without an event loop (a unit test of the queue): no Redis
+            return
+        if self._publishing is not None and not self._publishing.done():
+            return
+        counts = self.backlog.counts()
+        if counts == self._published and now - self._published_at < self.cfg.view_s:
+            return
+        self._published_at = now
+        self._publishing = loop.create_task(self._publish_counts(counts))
+
+    async def _publish_counts(self, counts: dict[str, int]) -> None:
+        key = self.keys.backlog
+        mapping = {t: 0 for t in self._published or {}} | counts
+        try:
+            pipe = self.redis.pipeline(transaction=False)
+            if self._published is None:
+                pipe.delete(key)
+            if mapping:
+                pipe.hset(key, mapping=mapping)
+                pipe.expire(key, max(5, int(10 * self.cfg.view_s)))
+            await pipe.execute()
+        except Exception as e:  # noqa: BLE001 - the counts are written again next tick
+            if not self._publish_failed:
+                log.warning("writing the backlog counts failed: %s: %s", type(e).__name__, e)
+            self._publish_failed = True
+            return
+        self._publish_failed = False
+        self._published = counts
 
     async def on_batch(self, msgs: list[Msg]) -> None:
         """Take a fetched batch in, in order. Every message is registered first, so the progress
@@ -237,6 +287,14 @@ class Intake:
         if m is not None and (delivered := _delivered(m)) > self.cfg.max_deliveries:
             error = f"delivered {delivered} times without an answer (schedulers crashed on it or lost it)"
             self._answer(req, failed(rid, error, "internal"))
+            return
+        cap = self.cfg.max_tenant_backlog
+        if cap > 0 and (queued := self.backlog.count(req.tenant)) >= cap:
+            why = (
+                f"tenant {req.tenant!r} has {queued} requests queued at the scheduler, its limit "
+                f"(max_tenant_backlog {cap}); retry once some have started"
+            )
+            self._answer(req, failed(rid, why, "rate_limited"))
             return
         if deadline.passed(time.monotonic()):
             late = time.monotonic() - deadline.at

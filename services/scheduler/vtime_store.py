@@ -8,17 +8,32 @@ Fencing (``docs/scheduling.md``, "Fail-over"): every change carries the writer's
 the script refuses it (changing nothing) when a later scheduler has taken the lease since (the
 stored ``{ns}:scheduler:epoch`` is higher): :meth:`VTimeStore.apply` then raises :class:`StaleEpoch`
 and that scheduler steps down.
+
+GPU-second quotas (``docs/gateway.md``, "Quotas"): the same script adds the measured service to a
+per-window hash, ``{ns}:gpu_s:{window_s}:{time // window_s}`` (tenant -> seconds, expiring two
+windows after its last write), so the gateway's quota check reads what was charged, in the same
+atomic step that charged it. The window length is the gateway's (``T2I_GATEWAY_QUOTA_WINDOW_S``),
+which it writes to ``{ns}:gw:quota:window_s`` while quotas are in use: one setting, so the two
+cannot disagree. It is read here at most every :attr:`VTimeStore.window_refresh_s`; while it is
+not set (no quotas) nothing is counted per window.
 """
 
 from __future__ import annotations
+
+import logging
+import time
 
 from redis.asyncio import Redis
 
 from libs.protocol.keys import Keys
 from services.scheduler.effects import ChargeVTime
 
-# KEYS: vtime, ops, service hashes, epoch. ARGV: tenant, delta, set vtime|'', ops delta, op floor|'',
-# service delta, the writer's epoch. A stale writer gets {'stale', the current epoch}.
+log = logging.getLogger(__name__)
+
+# KEYS: vtime, ops, service hashes, epoch, [the quota window's hash]. ARGV: tenant, delta, set
+# vtime|'', ops delta, op floor|'', service delta, the writer's epoch, [the window hash's TTL in s].
+# A stale writer gets {'stale', the current epoch}. Only HGET/HSET/EXPIRE touch the window hash
+# (HINCRBYFLOAT is not among the scheduler's Redis commands: docs/security.md).
 _CHARGE = """
 local e = tonumber(redis.call('GET', KEYS[4]) or '0')
 if tonumber(ARGV[7]) < e then return {'stale', tostring(e)} end
@@ -36,6 +51,11 @@ redis.call('HSET', KEYS[2], t, os)
 local s = tonumber(redis.call('HGET', KEYS[3], t) or '0') + tonumber(ARGV[6])
 local ss = string.format('%.17g', s)
 redis.call('HSET', KEYS[3], t, ss)
+if KEYS[5] and tonumber(ARGV[6]) ~= 0 then
+  local w = tonumber(redis.call('HGET', KEYS[5], t) or '0') + tonumber(ARGV[6])
+  redis.call('HSET', KEYS[5], t, string.format('%.17g', w))
+  redis.call('EXPIRE', KEYS[5], ARGV[8])
+end
 return {vs, os, ss}
 """
 
@@ -50,12 +70,44 @@ class VTimeStore:
         self.keys = keys
         self.epoch = epoch  # the writer's fencing token (the scheduler sets it on taking the lease)
         self._charge = redis.register_script(_CHARGE)
+        self.window_refresh_s = 5.0  # how often the quota window's length is read again
+        self._window_s = 0
+        self._window_read_at = -float("inf")  # monotonic
+        self._window_failed = False
+
+    async def window_s(self) -> int:
+        """The quota window's length in seconds (0: none), as the gateway set it; cached."""
+        now = time.monotonic()
+        if now - self._window_read_at < self.window_refresh_s:
+            return self._window_s
+        self._window_read_at = now
+        try:
+            raw = await self.redis.get(self.keys.quota_window)
+        except Exception as e:  # noqa: BLE001 - not counting per window never stops a charge
+            if not self._window_failed:
+                log.warning(
+                    "reading the quota window failed (%s: %s); not counting per window", type(e).__name__, e
+                )
+            self._window_failed = True
+            return self._window_s
+        self._window_failed = False
+        try:
+            self._window_s = max(0, int(raw or 0))
+        except ValueError:
+            log.warning("ignored a malformed quota window %r", raw[:40])
+            self._window_s = 0
+        return self._window_s
 
     async def apply(self, c: ChargeVTime) -> tuple[float, int, float]:
         """Apply one change; returns the tenant's (vtime, ops, service) after it. Raises
         :class:`StaleEpoch` (nothing changed) when a later scheduler holds the lease."""
+        keys = [self.keys.vtime, self.keys.ops, self.keys.service, self.keys.scheduler_epoch]
+        extra: list[str] = []
+        if c.service_s and (window := await self.window_s()) > 0:
+            keys.append(self.keys.gpu_window(window, int(time.time() // window)))
+            extra.append(str(2 * window))
         reply = await self._charge(
-            keys=[self.keys.vtime, self.keys.ops, self.keys.service, self.keys.scheduler_epoch],
+            keys=keys,
             args=[
                 c.tenant,
                 repr(float(c.delta)),
@@ -64,6 +116,7 @@ class VTimeStore:
                 "" if c.op_floor is None else str(int(c.op_floor)),
                 repr(float(c.service_s)),
                 str(int(self.epoch)),
+                *extra,
             ],
         )
         if reply[0] in (b"stale", "stale"):
