@@ -15,9 +15,10 @@ that does not start from the node's state (:class:`~services.scheduler.errors.Il
 events that arrive stale (a completion of a restarted attempt, an answer to a dispatch that was
 already requeued) are recognised here and dropped before any transition.
 
-Failures: a retryable node failure retries that node; losing an executor restarts every request
-that had a node running there or still needs a tensor it held, as a new *attempt* (ModelFns are
-deterministic, so the image is the same); a request past its deadline (``submitted_at`` +
+Failures: a retryable node failure retries that node; losing an executor re-runs, in the same
+attempt, the nodes that were running there and the lineage of the tensors it held that are still
+needed (``lineage.py``; ModelFns are deterministic, so the image is the same), restarting the
+request as a new *attempt* only where that cannot apply; a request past its deadline (``submitted_at`` +
 ``timeout_s``, ``deadlines.py``) fails, and none of its nodes is dispatched after it; a node that
 runs past its time limit, or completes with a timing that is not finite and >= 0, runs again
 elsewhere (``guards.py``).
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Iterable
 
 from libs.protocol.ids import AttemptRef, NodeRef, image_object
 from libs.protocol.messages import (
@@ -49,7 +51,7 @@ from libs.protocol.messages import (
 )
 from libs.protocol.tensor_meta import TensorMeta
 from libs.workflow.dag import Const, Dag, ImageSource, LoraSource, TensorSource
-from services.scheduler import seen, views
+from services.scheduler import lineage, seen, views
 from services.scheduler.accounting import Accounts
 from services.scheduler.effects import (
     Effect,
@@ -184,12 +186,7 @@ class SchedulerCore:
         log.warning("executor %s removed: %s", executor_id, reason)
         effects: list[Effect] = []
         for run in list(self.runs.values()):
-            if any(rec.executor == executor_id for rec in run.nodes.in_flight.values()) or any(
-                m.executor == executor_id and run.reads_left.get(src, 0) > 0
-                for src, meta in run.tensors.items()
-                for m in metas_of(meta)
-            ):
-                effects += self._restart(run, now, f"executor {executor_id} lost ({reason})")
+            effects += self._recover(run, executor_id, now, f"executor {executor_id} lost ({reason})")
         return effects
 
     def dispatch_result(
@@ -213,8 +210,8 @@ class SchedulerCore:
         if found is None:
             return []
         run, rec = found
-        refund = self.accounts.refund(run.req.tenant, rec.charge_s)
-        return [refund, *self._requeue(node, executor_id, now, reason=error, retry=False)]
+        refund = [] if rec.rerun else [self.accounts.refund(run.req.tenant, rec.charge_s)]
+        return [*refund, *self._requeue(node, executor_id, now, reason=error, retry=False)]
 
     def expire(self, now: float) -> list[Effect]:
         effects: list[Effect] = []
@@ -341,9 +338,9 @@ class SchedulerCore:
             inputs[name] = self._binding(run, rec, name, src)
         sinks = {src: name for name, src in run.dag.outputs.items()}
         outputs = [
-            OutputPlan(
+            OutputPlan(  # the reads still planned (all of them unless it runs again: lineage.py)
                 name=out,
-                consumers=run.dag.consumers.get(TensorSource(node_id, out), 0),
+                consumers=run.reads_left.get(TensorSource(node_id, out), 0),
                 sink=image_object(run.request_id, sinks[TensorSource(node_id, out)])
                 if TensorSource(node_id, out) in sinks
                 else "",
@@ -361,7 +358,9 @@ class SchedulerCore:
             outputs=outputs,
             callbacks=sorted(node.callbacks),
         )
-        effects: list[Effect] = [SendDispatch(ex.id, msg), self.accounts.charge(run.req.tenant, charge_s)]
+        effects: list[Effect] = [SendDispatch(ex.id, msg)]
+        if not rec.rerun:  # a rerun after a loss is the platform's: charged nothing (docs/scheduling.md)
+            effects.append(self.accounts.charge(run.req.tenant, charge_s))
         if run.nodes.done == 0 and len(run.nodes.in_flight) == 1:
             effects.append(self._persist(run, status="running"))
         return effects
@@ -400,12 +399,13 @@ class SchedulerCore:
         missing = [
             o
             for o in node.outputs
-            if run.dag.consumers.get(TensorSource(node.id, o), 0) and o not in msg.outputs
+            if run.reads_left.get(TensorSource(node.id, o), 0) and o not in msg.outputs
         ]
         sinks = {src.output: name for name, src in run.dag.outputs.items() if src.node == node.id}
         missing += [o for o in sinks if o not in msg.sinks]
         if missing:
             return self._fail(run, f"node {node.id} ({node.fn}) returned no {missing}", code="workflow")
+        free = rec.rerun  # completing clears it
         run.nodes.complete(node.id, now)  # successors whose last input this was are ready now
         t = msg.timing
         self.estimator.observe(
@@ -418,7 +418,8 @@ class SchedulerCore:
             load_tier=t.load_tier or "disk",
             load_frac=t.load_frac,
         )
-        correction = self.accounts.correct(run.req.tenant, rec.charge_s, t.total_s)
+        run.rerun_s += t.total_s if free else 0.0  # a rerun is the platform's: charged nothing, now too
+        correction = [] if free else [self.accounts.correct(run.req.tenant, rec.charge_s, t.total_s)]
         run.executors.add(msg.executor)
         run.bytes_moved += msg.bytes_in
         run.gpu_s += msg.timing.total_s
@@ -445,8 +446,8 @@ class SchedulerCore:
         for out, image in msg.sinks.items():
             run.sinks[sinks[out]] = image
         if run.nodes.done == len(run.nodes):
-            return [correction, *forwards, *self._succeed(run)]
-        return [correction, *forwards, self._persist(run, status="running", tensors=new_tensors)]
+            return [*correction, *forwards, *self._succeed(run)]
+        return [*correction, *forwards, self._persist(run, status="running", tensors=new_tensors)]
 
     def reject_completion(self, node: NodeRef, executor_id: str, now: float, problem: str) -> list[Effect]:
         """A completion that cannot be believed (its timing is not finite and >= 0): dropped, and
@@ -465,13 +466,14 @@ class SchedulerCore:
         effects: list[Effect] = []
         if msg.unreachable and msg.unreachable != msg.executor and msg.unreachable in self.executors:
             # The node could not read a producer's tensor: treat the producer as lost now rather
-            # than retrying until its heartbeat times out. That restarts this request (and every
-            # other that needs its tensors); a producer that is in fact alive rejoins on its next beat.
+            # than retrying until its heartbeat times out. That re-runs what this request (and every
+            # other) needs of its tensors, this node included; a producer that is in fact alive
+            # rejoins on its next beat.
             effects = self.remove_executor(
                 msg.unreachable, now, f"unreachable from {msg.executor}: {msg.error}"
             )
-            if self.runs.get(msg.request_id) is not run:
-                return effects  # this attempt was restarted (or failed): its failure is moot
+            if self._in_flight(ref, msg.executor) is None:
+                return effects  # put back by the recovery, or its attempt restarted or failed: moot
         if msg.retryable and rec.retries < self.max_node_retries:
             return effects + self._requeue(ref, msg.executor, now, reason=msg.error)
         return effects + self._fail(
@@ -495,28 +497,45 @@ class SchedulerCore:
         run.nodes.requeue(node.node_id, now, retry=retry)
         return []
 
+    def _recover(self, run: RequestRun, executor_id: str, now: float, reason: str) -> list[Effect]:
+        """Re-run, in the same attempt, what ``run`` lost with ``executor_id`` (``lineage.py``). Nodes
+        put back are cancelled where still running and refunded (the platform lost their run)."""
+        recovery = lineage.plan(run, executor_id)
+        if recovery is None:
+            return []
+        if (why := lineage.unrepresentable(run, recovery)) is not None:
+            # Only a state the lineage plan does not foresee (a bug): start over as before.
+            return self._restart(run, now, f"{reason}; no lineage re-execution: {why}")
+        log.warning("request %s re-runs %s: %s", run.request_id, ", ".join(recovery.moved), reason)
+        reset = [run.nodes[nid] for nid in recovery.reset]
+        effects = self._cancel_running(reset)
+        effects += [self.accounts.refund(run.req.tenant, r.charge_s) for r in reset if not r.rerun]
+        lineage.apply(run, recovery, now)
+        kept = {m.tensor_id: m for meta in run.tensors.values() for m in metas_of(meta)}
+        # Redis keeps the attempt's tensor metadata as ``run.tensors``: drop it all, write back the rest.
+        drop = self._persist(run, status="running", drop_tensors=True, recovered=reason)
+        return [*effects, drop, self._persist(run, status="running", tensors=kept)]
+
     def _restart(self, run: RequestRun, now: float, reason: str) -> list[Effect]:
         if run.restarts >= self.max_restarts:
             return self._fail(run, f"{reason}; gave up after {run.restarts} restarts", code="internal")
         log.warning("restarting request %s (attempt %d): %s", run.request_id, run.attempt + 1, reason)
         fresh = self._new_run(run.req, run.dag, run.attempt + 1, arrived=run.arrived, deadline=run.deadline)
         fresh.restarts = run.restarts + 1
-        cancels = self._cancel_running(run)
+        cancels = self._cancel_running(run.nodes.in_flight.values())
         self.runs[run.request_id] = fresh
         return [*cancels, ReleaseAttempt(run.ref), self._persist(fresh, status="queued", restarted=reason)]
 
-    def _cancel_running(self, run: RequestRun) -> list[Effect]:
-        """Stop the nodes of ``run`` that executors are still running: its attempt ended (failed or
-        restarted). Their answers (``NodeFailed``) arrive stale and free the executors sooner. A
-        real runner that cannot stop its thread lets the node finish (no ``restart_ok``)."""
-        effects: list[Effect] = []
-        for rec in run.nodes.in_flight.values():
-            ex = self.executors.get(rec.executor or "")
-            if ex is not None and ex.running == rec.ref:  # not one that just ended or overran there
-                effects.append(
-                    SendCancel(ex.id, CancelNode(rec.ref.request_id, rec.ref.attempt, rec.ref.node_id))
-                )
-        return effects
+    def _cancel_running(self, recs: Iterable[NodeRecord]) -> list[Effect]:
+        """Stop the nodes ``recs`` that executors are still running: their attempt ended (failed or
+        restarted) or they were put back (``_recover``). Their answers (``NodeFailed``) arrive stale
+        and free the executors sooner. A real runner that cannot stop its thread lets the node finish
+        (no ``restart_ok``); one that just ended or overran there is not cancelled."""
+        return [
+            SendCancel(ex.id, CancelNode(rec.ref.request_id, rec.ref.attempt, rec.ref.node_id))
+            for rec in recs
+            if (ex := self.executors.get(rec.executor or "")) is not None and ex.running == rec.ref
+        ]
 
     def _succeed(self, run: RequestRun) -> list[Effect]:
         return self._end(run, "succeeded")
@@ -528,7 +547,7 @@ class SchedulerCore:
     def _end(self, run: RequestRun, status: str, error: str = "", code: str = "") -> list[Effect]:
         # Executors still computing nodes of a failed run keep ``running`` set; their completions
         # arrive stale, free the executor and release the attempt's tensors again.
-        cancels = self._cancel_running(run)
+        cancels = self._cancel_running(run.nodes.in_flight.values())
         if self.runs.pop(run.request_id, None) is not None:
             self.accounts.request_ended(run.req.tenant)
         result = RequestResult(
@@ -566,6 +585,7 @@ class SchedulerCore:
             "nodes_done": run.nodes.done,
             "bytes_moved": run.bytes_moved,
             "gpu_s": round(run.gpu_s, 6),
+            "rerun_s": round(run.rerun_s, 6),
             "executors": ",".join(sorted(run.executors)),
             "callbacks_forwarded": run.callbacks_forwarded,
             **{k: v for k, v in extra.items() if v},

@@ -45,7 +45,7 @@ class PersistRequest:
     request_id: str
     fields: dict[str, str | int | float]
     tensors: dict[str, TensorMeta] = field(default_factory=dict)  # tensor id -> meta, to add
-    drop_tensors: bool = False  # the request ended: delete its tensor metadata
+    drop_tensors: bool = False  # delete its tensor metadata first (the request ended, or lost some)
 
 
 @dataclass(frozen=True)

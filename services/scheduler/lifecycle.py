@@ -8,6 +8,7 @@
 | ``complete`` | DISPATCHED, RUNNING | DONE | its completion arrived |
 | ``requeue`` | DISPATCHED, RUNNING | READY | a retried failure, a lost completion, a refused dispatch |
 | ``hold_back`` | WAITING, READY | WAITING | a callback producer of it went back to READY |
+| ``undo`` | DONE | WAITING, READY | its output was lost with an executor, or a rerun reads it |
 
 * **WAITING** — an ordinary input does not exist yet (``deps_left > 0``), or the producer of a
   callback input (paper §5.2) has not started yet (``cb_waiting``).
@@ -20,6 +21,14 @@
 ``requeue`` puts an in-flight node back to READY: its failure is retried, its completion was lost,
 or its dispatch was refused. Its callback consumers that have not started go back to WAITING
 (``hold_back``), so none sits on an executor waiting for a producer that has no executor.
+
+``undo`` takes a completed node back (its outputs are to be made again; ``lineage.py`` chooses
+which). It is WAITING again until its own producers are DONE and its callback producers have
+started, as if it had never run; its ordinary consumers that have not run count it as a missing
+input again (``deps_left``; READY ones go back to WAITING) and its callback consumers that have not
+started are held back. None of its ordinary consumers may be in flight: they read the outputs
+being made again, so the caller requeues them first (the check refuses the transition otherwise).
+The record is marked ``rerun`` until it completes again: that run is not charged to its tenant.
 
 :class:`NodeTable` owns the records of one attempt and the two indexes the scheduler reads on hot
 paths (ready nodes in the order they became ready, and in-flight nodes); only its transitions change
@@ -71,6 +80,7 @@ class NodeRecord:
     kind: str = ""  # the kind of the executor it was dispatched to
     retries: int = 0  # failures retried so far
     pending: dict[str, TensorSource] = field(default_factory=dict)  # inputs dispatched pending
+    rerun: bool = False  # undone after it completed: runs again at the platform's cost (lineage.py)
 
     @property
     def in_flight(self) -> bool:
@@ -140,12 +150,14 @@ class NodeTable:
         """DISPATCHED or RUNNING → DONE. Successors whose last input this was become READY."""
         rec = self.records[node_id]
         _check(rec, DONE, *IN_FLIGHT)
-        succs = [self.records[s] for s in self.dag.successors[node_id]]
+        # Successors already DONE read an earlier run's outputs (it ran again: ``undo``): not waiting.
+        succs = [s for s in (self.records[n] for n in self.dag.successors[node_id]) if s.state is not DONE]
         for s in succs:  # all checked before anything changes
             _check(s, READY if s.deps_left == 1 else WAITING, WAITING)
         del self.in_flight[node_id]
         rec.state = DONE
         rec.executor = None
+        rec.rerun = False
         self.done += 1
         for s in succs:
             s.deps_left -= 1
@@ -181,6 +193,33 @@ class NodeTable:
         if rec.state is READY:
             rec.state = WAITING
             del self.ready[node_id]
+        return rec
+
+    def undo(self, node_id: str, now: float) -> NodeRecord:
+        """DONE → WAITING (READY when its inputs exist): its outputs are to be made again.
+
+        Its own ``deps_left`` and ``cb_waiting`` are counted afresh from its producers' states (some
+        may be undone too, before or after it); its consumers that have not run wait for it again.
+        """
+        rec = self.records[node_id]
+        _check(rec, WAITING, DONE)
+        succs = [s for s in (self.records[n] for n in self.dag.successors[node_id]) if s.state is not DONE]
+        for s in succs:  # all checked before anything changes: in-flight readers are requeued first
+            _check(s, WAITING, WAITING, READY)
+        rec.state = WAITING
+        rec.rerun = True
+        self.done -= 1
+        rec.deps_left = sum(1 for p in rec.node.deps if self.records[p].state is not DONE)
+        rec.cb_waiting = {p for p in rec.node.cb_deps if self.records[p].state in (WAITING, READY)}
+        for s in succs:
+            s.deps_left += 1
+            if s.state is READY:
+                s.state = WAITING
+                del self.ready[s.ref.node_id]
+        for consumer in self.dag.cb_successors.get(node_id, ()):
+            if self.records[consumer].state in (WAITING, READY):
+                self.hold_back(consumer, node_id)
+        self._become_ready_if_free(rec, now)
         return rec
 
     def _become_ready_if_free(self, rec: NodeRecord, now: float) -> None:

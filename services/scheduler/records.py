@@ -35,6 +35,8 @@ class RequestRun:
     restarts: int = 0
     callbacks_forwarded: int = 0  # callback inputs whose metadata followed a running consumer
     job_s: float = 0.0  # estimated total work of the request
+    reruns: int = 0  # completed nodes run again after an executor was lost (lineage.py)
+    rerun_s: float = 0.0  # measured GPU time of those runs: the platform's, not charged to the tenant
 
     @property
     def request_id(self) -> str:

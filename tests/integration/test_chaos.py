@@ -12,8 +12,11 @@ standby). Calls that broke are repeated with their key; then every call is looke
 * exactly one image request per call reached the scheduler (an idempotent repeat submits
   nothing), each ``succeeded`` in Redis;
 * per tenant, the measured service in Redis (``{ns}:service``) is at least what the results report
-  as ``gpu_s`` (the work of the attempt that answered) and exceeds it by no more than re-executed
-  work can explain; vTime is finite and non-negative for every tenant that was served.
+  as ``gpu_s`` (the work of the attempt that answered) less its lineage re-execution (``rerun_s``:
+  nodes re-run because an executor died are the platform's loss, not charged), and exceeds it by no
+  more than re-taken requests can explain; every request ends ``succeeded`` in Redis (a leader
+  killed between answering and acking leaves it to the next, which finds the stored result); vTime
+  is finite and non-negative for every tenant that was served.
 
 The figures (faults, restarts, repeats, re-executed attempts, losses) are printed for the record.
 """
@@ -186,10 +189,12 @@ def test_crashes_of_an_executor_the_leader_and_the_gateway_lose_no_request(stack
     attempts = {rid: int(s.get(b"attempt", 0) or 0) for rid, s in states.items()}
     reexecuted = sum(a - 1 for a in attempts.values() if a > 1)
     gpu: dict[str, float] = {}
+    rerun: dict[str, float] = {}  # lineage re-execution: in gpu_s, not charged (docs/scheduling.md)
     for s in states.values():
         res = json.loads(s.get(b"result", b"{}") or b"{}")
         tenant = s.get(b"tenant", b"").decode()
         gpu[tenant] = gpu.get(tenant, 0.0) + float(res.get("gpu_s", 0.0))
+        rerun[tenant] = rerun.get(tenant, 0.0) + float(s.get(b"rerun_s", 0.0) or 0.0)
     service = {t.decode(): float(v) for t, v in r.hgetall(keys.service).items()}
     vtime = {t.decode(): float(v) for t, v in r.hgetall(keys.vtime).items()}
 
@@ -201,7 +206,8 @@ def test_crashes_of_an_executor_the_leader_and_the_gateway_lose_no_request(stack
         f"(pid {stack.procs[new_leader].pid}); "
         f"{sum(1 for n in repeats if n)} calls repeated by key ({sum(repeats)} repeats); "
         f"{len(states)} image requests, {sum(1 for a in attempts.values() if a > 1)} taken in again "
-        f"by the new leader ({reexecuted} extra attempts); lost {len(lost)}; "
+        f"by the new leader ({reexecuted} extra attempts); {sum(rerun.values()):.2f} s of lineage "
+        f"re-execution (not charged); lost {len(lost)}; "
         f"Redis state not succeeded: {len(stuck)}"
     )
     print(
@@ -232,8 +238,8 @@ def test_crashes_of_an_executor_the_leader_and_the_gateway_lose_no_request(stack
         )
         assert service.get(t, 0.0) <= g + (retaken + 2) * per_request, (t, service.get(t), g, retaken)
         assert math.isfinite(vtime.get(t, 0.0)) and vtime.get(t, 0.0) >= 0.0, (t, vtime.get(t))
-        if service.get(t, 0.0) < g - 1e-6:
-            short[t] = g - service.get(t, 0.0)
+        if service.get(t, 0.0) < g - rerun.get(t, 0.0) - 1e-6:
+            short[t] = g - rerun.get(t, 0.0) - service.get(t, 0.0)
     assert all(p.poll() is None for p in stack.procs.values()), {
         n: p.returncode for n, p in stack.procs.items() if p.poll() is not None
     }
