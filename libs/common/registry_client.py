@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 
 from nats.aio.client import Client
@@ -24,6 +25,8 @@ from libs.protocol.messages import (
 from libs.protocol.subjects import Subjects
 from libs.workflow.spec import WorkflowSpec, decode_spec
 
+log = logging.getLogger(__name__)
+
 
 class RegistryUnavailable(RetryableError, RuntimeError):
     """No registry answered; retrying later can help."""
@@ -43,6 +46,7 @@ class RegistryClient:
         self.timeout = timeout
         self._cache: OrderedDict[tuple[str, int], WorkflowSpec] = OrderedDict()
         self._cache_size = cache_size
+        self._latest: dict[str, int] = {}  # name -> the newest version seen (see ``get``)
 
     async def _call(self, op: str, payload: bytes) -> RegistryReply:
         try:
@@ -52,17 +56,30 @@ class RegistryClient:
         return registry_reply_decoder.decode(msg.data)
 
     async def get(self, name: str, version: int = 0) -> WorkflowSpec:
-        """A spec by name (latest) or by name and version. Versions are immutable: cached."""
+        """A spec by name (latest) or by name and version. Versions are immutable: cached.
+
+        While no registry answers, a lookup of the latest version is answered with the latest this
+        client has seen (logged): a registry restart then holds up no request for a workflow in
+        use; one registered or updated during the outage is not seen until it is back."""
         if version and (name, version) in self._cache:
             self._cache.move_to_end((name, version))
             return self._cache[(name, version)]
-        reply = await self._call("get", encode(GetWorkflow(name=name, version=version)))
+        try:
+            reply = await self._call("get", encode(GetWorkflow(name=name, version=version)))
+            if not reply.ok and reply.status != 404:
+                raise RegistryUnavailable(reply.error)
+        except RegistryUnavailable as e:
+            seen = self._latest.get(name) if not version else None
+            if seen is None or (name, seen) not in self._cache:
+                raise
+            log.warning("registry unavailable (%s): using the last seen version %d of %r", e, seen, name)
+            return self._cache[(name, seen)]
         if not reply.ok:
-            if reply.status == 404:
-                raise WorkflowNotFound(name, version)
-            raise RegistryUnavailable(reply.error)
+            raise WorkflowNotFound(name, version)
         spec = decode_spec(bytes(reply.spec))
         self._cache[(spec.name, spec.version)] = spec
+        if spec.version >= self._latest.get(spec.name, 0):
+            self._latest[spec.name] = spec.version
         while len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)
         return spec

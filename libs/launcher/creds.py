@@ -37,6 +37,13 @@ ADMIN = "admin"
 #: Harmless: PING, SELECT (redis-py selects a database other than 0 on connecting) and transactions
 #: (each queued command is checked on its own). Not ``client|setinfo``: redis-py ignores its
 #: refusal, and Redis < 7.2 refuses an ACL naming it.
+#: Redis' ``default`` user in an ACL file: off (no client can use it), allowed everything (the
+#: append-only file's replay runs as it; see ``Credentials.redis_aclfile``).
+AOF_SAFE_DEFAULT = "user default off resetpass ~* &* +@all"
+#: The Redis user of health checks: PING only, so its password is not a secret.
+HEALTH_USER = "health"
+HEALTH_PASSWORD = "health"
+
 _REDIS_BASE = ("+ping", "+select", "+multi", "+exec", "+discard")
 _REDIS_SCRIPTS = ("+evalsha", "+eval", "+script|load")
 
@@ -197,9 +204,18 @@ class Credentials:
         return out
 
     def redis_aclfile(self, admin_password: str) -> str:
-        """A Redis ``aclfile``: the roles (passwords as SHA-256), an admin, and ``default`` reduced
-        to PING (health checks) so an unauthenticated client can do nothing else."""
-        lines = ["user default on nopass resetchannels resetkeys -@all +ping"]
+        """A Redis ``aclfile``: the roles (passwords as SHA-256), an admin, a ``health`` user that
+        may only PING (health checks; its password is not a secret), and ``default`` **off**.
+
+        ``default`` is off rather than reduced to PING because Redis replays its append-only file as
+        ``default`` and re-checks that user's rights at each ``EXEC`` (redis/redis#14541, fixed
+        upstream by #14545, present in 7.0 and 7.2): a ``MULTI``/``EXEC`` — which is also how a Lua
+        script that writes twice is logged (the registry's versioning, the lease and vTime scripts)
+        — is silently dropped at start when ``default`` may not run it, so a restart lost
+        registered workflows. Off, nobody can authenticate as it (unauthenticated clients get
+        ``NOAUTH``); all rights, the replay goes through."""
+        health = hashlib.sha256(HEALTH_PASSWORD.encode()).hexdigest()
+        lines = [AOF_SAFE_DEFAULT, f"user {HEALTH_USER} on #{health} resetchannels resetkeys -@all +ping"]
         admin_hash = hashlib.sha256(admin_password.encode()).hexdigest()
         lines.append(f"user {self.namespace}-{ADMIN} on #{admin_hash} ~* &* +@all")
         for args in self.redis_setuser():

@@ -9,6 +9,14 @@ use it; a deployment uses ``deploy/compose.yaml`` instead.
 private nats-server on a free port whose users are the roles (``creds.Credentials``), its streams
 created by the admin user, and Redis ACL users per role created on ``redis_url`` (connected as its
 user: an admin) and deleted on stop. Each process gets only its own role's credentials.
+
+``private_redis=True`` runs the stack's own redis-server on a free port instead of using
+``redis_url`` (which then names it), configured as a deployment's Redis (``deploy/compose.yaml``):
+append-only file on (``appendfsync everysec``), and with ``secure`` the roles' users in an ACL file
+(``--aclfile``) with an admin user in the URL and ``default`` turned off (compose reduces it to
+PING, which makes Redis drop the file's transactions on a restart: ``private_redis.py``). Users and
+data therefore survive :meth:`Stack.restart_redis`, a crash and restart of that server (tests of a
+Redis outage). Its directory (data, ACL file) is removed on stop.
 """
 
 from __future__ import annotations
@@ -28,9 +36,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from libs.common.nats_conn import split_credentials
-from libs.common.settings import redact
+from libs.common.settings import redact, with_userinfo
 from libs.dataplane.hosttier import HostTier
 from libs.launcher import brokers
+from libs.launcher import private_redis as redis_server
 from libs.launcher.creds import ADMIN, Credentials, bootstrap
 
 
@@ -58,12 +67,15 @@ class Stack:
     gateway_env: dict[str, str] = field(default_factory=dict)
     extra_env: dict[str, str] = field(default_factory=dict)
     secure: bool = False  # private nats-server and Redis ACL users, one per role (see above)
+    private_redis: bool = False  # its own redis-server (AOF, ACL file): sets redis_url (see above)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     credentials: Credentials | None = None  # secure: every user's credentials (tests use them)
     bus_url: str = ""  # secure: the private nats-server's URL (no credentials in it)
     # The executors' shared secret for the tcp data plane (secure stacks: the credentials' own).
     dataplane_token: str = field(default_factory=lambda: secrets.token_hex(32))
     _nats: subprocess.Popen | None = None
+    _redis: subprocess.Popen | None = None
+    _redis_args: list[str] = field(default_factory=list)  # for restart_redis()
     _spawned: dict[str, tuple[str, dict[str, str]]] = field(default_factory=dict)  # for restart()
 
     @property
@@ -128,6 +140,8 @@ class Stack:
         try:
             if self.secure:
                 self.start_secure_brokers()
+            elif self.private_redis:
+                self.start_private_redis()
             self.spawn("registry", "services.registry")
             self.start_scheduler()
             self.spawn(
@@ -180,6 +194,9 @@ class Stack:
         self._nats = brokers.start_nats(port, workdir, config=conf)
         self.bus_url = f"nats://127.0.0.1:{port}"
         asyncio.run(bootstrap(creds.nats_url(self.bus_url, ADMIN), self.namespace, wait_s=10))
+        if self.private_redis:  # the users go into its ACL file: they survive a restart
+            self.start_private_redis(creds)
+            return
         try:
             creds.create_redis_users(self.redis_url)
         except Exception as e:  # noqa: BLE001 - e.g. the URL's user may not run ACL SETUSER
@@ -206,8 +223,43 @@ class Stack:
         self._nats = brokers.start_nats(port, workdir, config=workdir / "nats.conf")
         return time.monotonic() - t0
 
+    def start_private_redis(self, creds: Credentials | None = None) -> None:
+        """The stack's own redis-server (``private_redis``); ``creds``: with the roles' ACL users."""
+        workdir, port = self.log_dir / "redis", brokers.free_port()
+        url, aclfile = f"redis://127.0.0.1:{port}/0", None
+        if creds is not None:  # the roles, an admin (the stack's own URL), default off
+            password = secrets.token_urlsafe(24)
+            text = creds.redis_aclfile(password)
+            aclfile = redis_server.write_aclfile(workdir / "data" / "users.acl", text)
+            url = with_userinfo(url, f"{self.namespace}-{ADMIN}", password)
+        self._redis_args = redis_server.server_args(port, workdir / "data", workdir / "redis.log", aclfile)
+        self._redis = redis_server.start(self._redis_args, url, workdir / "redis.log")
+        self.redis_url = url
+
+    def restart_redis(self, down_s: float = 1.0) -> float:
+        """Kill the private redis-server (SIGKILL: a crash), keep it down ``down_s`` seconds, and start
+        it again on the same port with the same config, append-only file and ACL file (tests of a
+        Redis outage). Returns the seconds Redis was unreachable. Only a ``private_redis`` stack
+        runs its own server."""
+        if self._redis is None:
+            raise StackError("only a private_redis stack runs its own redis-server")
+        t0 = time.monotonic()
+        self._redis.kill()
+        self._redis.wait(10)
+        time.sleep(down_s)
+        self._redis = redis_server.start(
+            self._redis_args, self.redis_url, self.log_dir / "redis" / "redis.log"
+        )
+        return time.monotonic() - t0
+
+    def stop_private_redis(self) -> None:
+        if self._redis is not None:
+            brokers.stop([self._redis])
+            self._redis = None
+        shutil.rmtree(self.log_dir / "redis" / "data", ignore_errors=True)  # the data, the ACL file
+
     def stop_secure_brokers(self) -> None:
-        if self.credentials is not None:
+        if self.credentials is not None and not self.private_redis:
             try:
                 self.credentials.delete_redis_users(self.redis_url)
             except Exception as e:  # noqa: BLE001 - Redis gone: its users went with it
@@ -296,3 +348,5 @@ class Stack:
         HostTier.destroy(f"{self.namespace}-host")
         if self.secure:
             self.stop_secure_brokers()
+        if self.private_redis:
+            self.stop_private_redis()

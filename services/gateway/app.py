@@ -31,6 +31,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import msgspec
 from aiohttp import web
+from redis.exceptions import RedisError
 
 from libs.common.nats_conn import connect
 from libs.common.redis_conn import connect_redis
@@ -88,8 +89,14 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
             405: f"method {request.method} not allowed",
         }
         return ApiError(e.status, msg.get(e.status, e.reason)).response()
-    except RegistryUnavailable as e:
-        return ApiError(503, f"the workflow registry is unavailable: {e}", code="unavailable").response()
+    except RegistryUnavailable as e:  # its text names internal addresses: the log has it
+        log.warning("%s %s: the registry is unavailable: %s", request.method, request.path, e)
+        return ApiError(
+            503, "the workflow registry is unavailable; retry shortly", code="unavailable"
+        ).response()
+    except RedisError as e:
+        log.warning("%s %s: Redis is unavailable: %s", request.method, request.path, e)
+        return ApiError(503, "the request store is unavailable; retry shortly", code="unavailable").response()
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
         return ApiError(500, "internal error", code="internal").response()

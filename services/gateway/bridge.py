@@ -24,6 +24,7 @@ from nats.aio.subscription import Subscription
 from nats.js.errors import ObjectNotFoundError
 from nats.js.object_store import ObjectStore
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 from libs.common.jetstream import ensure_images_bucket, ensure_intake_stream
 from libs.common.registry_client import RegistryClient
@@ -140,7 +141,11 @@ class Bridge:
         deadline = time.monotonic() + wait_s
         try:
             while True:
-                stored = await self.stored_result(request_id)
+                try:
+                    stored = await self.stored_result(request_id)
+                except RedisError as e:  # Redis away: the result still comes over NATS
+                    log.warning("looking up the result of %s failed: %s; waiting on the bus", request_id, e)
+                    stored = None
                 if stored is not None:
                     return stored
                 left = deadline - time.monotonic()
@@ -160,7 +165,10 @@ class Bridge:
         pipe = self.redis.pipeline(transaction=False)
         for r in results:
             pipe.set(self.own_keys.result(r.request_id), encode(r), ex=RESULT_TTL_S)
-        await pipe.execute()
+        try:
+            await pipe.execute()
+        except RedisError as e:  # the call is answered anyway; a lookup by id finds the scheduler's copy
+            log.warning("keeping the results of a call failed: %s", e)
 
     async def stored_result(self, request_id: str) -> RequestResult | None:
         """The result kept by the gateway, else by the scheduler (``{ns}:req:{id}``), checked."""

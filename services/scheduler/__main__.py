@@ -1,7 +1,15 @@
-"""``python -m services.scheduler``: wire config, NATS, Redis, the policy and the core together."""
+"""``python -m services.scheduler``: wire config, NATS, Redis, the policy and the core together.
+
+A scheduler that loses its lease (Redis away for longer than the lease, another took over) steps
+down: its ``run`` raises :class:`LeaseLost`. The process does not exit then; it builds itself anew
+(fresh connections, an empty core: what it knew may be stale) and waits as a standby, so a Redis
+blip under ``make run``, where nothing restarts a process, does not leave the platform without a
+scheduler.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from contextlib import AsyncExitStack
 
@@ -9,12 +17,13 @@ from libs.common.config import load_config
 from libs.common.logs import setup_logging
 from libs.common.nats_conn import connect
 from libs.common.redis_conn import connect_redis
-from libs.common.service import main, own
+from libs.common.service import own, serve
 from libs.common.settings import common_settings
 from libs.protocol.keys import Keys
 from libs.protocol.subjects import Subjects
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.core import SchedulerCore
+from services.scheduler.lease import LeaseLost
 from services.scheduler.policy import get_policy
 from services.scheduler.service import SchedulerService
 
@@ -49,5 +58,18 @@ async def build(stack: AsyncExitStack) -> SchedulerService:
     )
 
 
+async def serve_again_after_stepping_down() -> None:
+    """Serve; after stepping down, serve again as a standby. Any other end is the process's end."""
+    while True:
+        try:
+            await serve(build)
+            return  # a stop signal
+        except RuntimeError as e:
+            if not isinstance(e.__cause__, LeaseLost):
+                raise
+            log.warning("stepped down (%s): starting again as a standby", e.__cause__)
+        await asyncio.sleep(1.0)
+
+
 if __name__ == "__main__":
-    main(build)
+    asyncio.run(serve_again_after_stepping_down())

@@ -281,7 +281,7 @@ def test_redis_users_are_limited_to_their_keys_and_executors_have_none(stack):
 
 def test_compose_credentials_load_in_nats_server_and_redis_server(tmp_path):
     """What ``deploy/compose.yaml``'s init container writes: valid for both servers, each role's
-    password file logs it in, and the default Redis user can only PING."""
+    password file logs it in, the default Redis user is off and the health user can only PING."""
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server is not installed here")
     assert write_compose(tmp_path, "tcompose") and not write_compose(tmp_path, "tcompose")  # kept
@@ -300,11 +300,23 @@ def test_compose_credentials_load_in_nats_server_and_redis_server(tmp_path):
         stderr=subprocess.STDOUT,
     )
     try:
-        brokers.wait_until(lambda: brokers.redis_answers("127.0.0.1", port), 10, "redis-server", proc)
+        def health_pings() -> bool:  # unauthenticated PING gets NOAUTH now: the health user's
+            try:
+                return redis.Redis(port=port, username="health", password="health").ping()
+            except redis.exceptions.ConnectionError:
+                return False
+
+        brokers.wait_until(health_pings, 10, "redis-server", proc)
         anonymous = redis.Redis(port=port)
-        assert anonymous.ping()
-        with pytest.raises(redis.exceptions.NoPermissionError):
+        with pytest.raises(redis.exceptions.AuthenticationError):
             anonymous.get("tcompose:vtime")
+        with pytest.raises(redis.exceptions.AuthenticationError):
+            redis.Redis(port=port, username="default", password="").ping()
+        health = redis.Redis(port=port, username="health", password="health")
+        assert health.ping()
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            health.get("tcompose:vtime")
+        health.close()
         for role in ROLES:
             pw = tmp_path / role / "redis_password"
             assert (tmp_path / role / "nats_password").exists()

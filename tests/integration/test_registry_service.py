@@ -9,7 +9,7 @@ import pytest
 from redis.asyncio import Redis
 
 from libs.common.nats_conn import connect
-from libs.common.registry_client import RegistryClient, WorkflowNotFound
+from libs.common.registry_client import RegistryClient, RegistryUnavailable, WorkflowNotFound
 from libs.models.flux_workflows import tiny_flux
 from libs.protocol.keys import Keys
 from libs.protocol.messages import registry_reply_decoder
@@ -29,7 +29,8 @@ async def registry(common):
         nc, WorkflowStore(redis, Keys(common.namespace)), catalog.signatures(), subjects
     )
     await service.start()
-    client = RegistryClient(nc, subjects)
+    client = RegistryClient(nc, subjects, timeout=1.0)
+    client.service = service  # a test may stop it (stop is idempotent)
     yield client, nc, subjects
     await service.stop()
     await nc.close()
@@ -117,3 +118,18 @@ async def test_garbage_on_the_bus_gets_an_error_reply_and_the_registry_keeps_ser
     assert not reply.ok and reply.status == 400
     assert (await client.register(spec_json())).ok
     assert msgspec.json.decode(bytes((await client.register(spec_json())).spec))["name"] == "tiny-flux"
+
+
+async def test_while_the_registry_is_away_the_latest_seen_version_answers_and_nothing_else(registry):
+    client, _, _ = registry
+    await client.register(spec_json())
+    await client.register(spec_json(description="changed"))
+    assert (await client.get("tiny-flux")).version == 2
+    await client.service.stop()
+    away = await client.get("tiny-flux")  # the latest this client saw, though no registry answers
+    assert away.version == 2 and away.description == "changed"
+    assert (await client.get("tiny-flux", 2)).version == 2  # an immutable version, cached
+    with pytest.raises(RegistryUnavailable):
+        await client.get("tiny-flux", 1)  # never fetched: not made up
+    with pytest.raises(RegistryUnavailable):
+        await client.get("never-seen")
