@@ -127,6 +127,17 @@ class ReleaseRequest(_Msg, tag="release_request"):
     epoch: int = 0  # the sender's fencing token: ignored below the highest seen (as for Dispatch)
 
 
+class LiveAttempts(_Msg, tag="live_attempts"):
+    """The attempts the leading scheduler has in progress, broadcast every ``reconcile_s``.
+
+    An executor frees what it holds of any attempt not listed that has had no node there for a
+    grace period: the release of a request the scheduler ended (or forgot, by crashing) was lost.
+    """
+
+    attempts: list[str]  # encoded AttemptRefs (libs.protocol.ids): "request_id/attempt"
+    epoch: int = 0  # the sender's fencing token: ignored below the highest seen (as for Dispatch)
+
+
 class CallbackReady(_Msg, tag="callback_ready"):
     """The producer of a pending callback input has finished: here is where its output lives."""
 
@@ -176,7 +187,7 @@ class Ack(_Msg, tag="ack"):
 
 # What the scheduler sends on ``{ns}.exec.{id}`` (and ``{ns}.exec.all``): executors may not publish
 # there. Peers' ``ReleaseTensors`` have their own subject and decoder (``PeerMsg``).
-ExecutorMsg = Dispatch | ReleaseRequest | CallbackReady | CancelNode
+ExecutorMsg = Dispatch | ReleaseRequest | CallbackReady | CancelNode | LiveAttempts
 PeerMsg = ReleaseTensors
 
 

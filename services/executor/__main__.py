@@ -104,6 +104,7 @@ async def build_real(stack: AsyncExitStack, cfg: ExecutorConfig) -> ExecutorGrou
         heartbeat_s=cfg.heartbeat_s,
         node_timeout_s=cfg.node_timeout_s,
         attempt_ttl_s=cfg.attempt_ttl_s,
+        reconcile_grace_s=cfg.reconcile_grace_s,
     )
     ready = (
         f"executor ready in {time.perf_counter() - t0:.1f}s: {cfg.device}, {cfg.threads} threads, "
@@ -144,6 +145,7 @@ async def build_simulated(stack: AsyncExitStack, cfg: ExecutorConfig) -> Executo
                 heartbeat_s=cfg.heartbeat_s,
                 node_timeout_s=cfg.node_timeout_s,
                 attempt_ttl_s=cfg.attempt_ttl_s,
+                reconcile_grace_s=cfg.reconcile_grace_s,
             )
         )
     ready = (

@@ -25,6 +25,9 @@ class ExecutorConfig(msgspec.Struct, forbid_unknown_fields=True):
     # Tensors of an attempt that had no node here for this long are freed even if the scheduler's
     # end-of-request release never arrived (a lost message must not leak arena space). 0: never.
     attempt_ttl_s: float = 3600.0
+    # The leading scheduler lists the attempts it has in progress every few seconds; an attempt not
+    # listed that had no node here for this long is freed (its release was lost; docs/scheduling.md).
+    reconcile_grace_s: float = 30.0
     # Loading (docs/loading.md): checkpoints are converted on first use into the loading format and
     # read with O_DIRECT by ``load_threads`` threads in ``load_chunk_mb`` chunks into the box's host
     # tier, one copy per box shared by every executor with the same ``host_tier`` name (default:

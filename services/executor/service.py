@@ -44,6 +44,7 @@ from libs.protocol.messages import (
     ExecutorHeartbeat,
     ImageInput,
     ImageRef,
+    LiveAttempts,
     NodeComplete,
     NodeFailed,
     ReleaseRequest,
@@ -109,6 +110,7 @@ class ExecutorService:
         heartbeat_s: float = 1.0,
         node_timeout_s: float = 0.0,
         attempt_ttl_s: float = 0.0,
+        reconcile_grace_s: float = 30.0,
     ) -> None:
         self.id = executor_id
         # A node running longer than this fails (retryable: the scheduler runs it elsewhere). A
@@ -120,6 +122,7 @@ class ExecutorService:
         # is lost, they are freed once the attempt has had no node here for this long (longer than
         # any request may live). 0: never.
         self.attempt_ttl_s = attempt_ttl_s
+        self.reconcile_grace_s = reconcile_grace_s
         self._attempt_seen: dict[AttemptRef, float] = {}
         self.kind = kind
         self.nc = nc
@@ -226,7 +229,7 @@ class ExecutorService:
             if msg.reply:
                 await msg.respond(encode(Ack(ok=False, error=f"malformed message: {e}")))
             return
-        if isinstance(m, Dispatch | CancelNode | ReleaseRequest):
+        if isinstance(m, Dispatch | CancelNode | ReleaseRequest | LiveAttempts):
             if m.epoch < self.epoch:
                 log.warning(
                     "refused a %s from a replaced scheduler (epoch %d < %d)",
@@ -250,6 +253,13 @@ class ExecutorService:
                 freed = self._release_attempts(attempts)
                 if freed:
                     log.debug("released %d tensors of %s", freed, rid)
+            case LiveAttempts(attempts=raw):
+                try:
+                    live = {AttemptRef.decode(a) for a in raw}
+                except ValueError as e:
+                    log.warning("dropped a list of live attempts on %s: %s", msg.subject, e)
+                    return
+                self.reconcile(live)
 
     async def _on_release(self, msg: Msg) -> None:
         """A consumer has read tensors of ours: the only message peers may send us."""
@@ -288,6 +298,26 @@ class ExecutorService:
                 held.discard(a)
                 if not held:
                     del self._attempts[a.request_id]
+        return freed
+
+    def reconcile(self, live: set[AttemptRef], now: float | None = None) -> int:
+        """Free the attempts held here that the scheduler no longer has in progress (``live``) and
+        that had no node here for ``reconcile_grace_s`` (so a dispatch racing the list is never
+        hurt); returns the tensors freed."""
+        now = time.monotonic() if now is None else now
+        running = self.current.attempt_ref if self.current is not None else None
+        gone = [
+            a
+            for a, seen in self._attempt_seen.items()
+            if a not in live and a != running and now - seen > self.reconcile_grace_s
+        ]
+        if not gone:
+            return 0
+        freed = self._release_attempts(gone)
+        log.warning(
+            "freed %d tensors of %d attempts the scheduler no longer has (their release was lost): %s",
+            freed, len(gone), [a.encode() for a in gone[:5]],
+        )  # fmt: skip
         return freed
 
     def sweep_attempts(self, now: float | None = None) -> int:

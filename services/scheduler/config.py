@@ -26,6 +26,9 @@ class SchedulerConfig(msgspec.Struct, forbid_unknown_fields=True):
     max_node_retries: int = 2
     max_restarts: int = 2
     request_ttl_s: int = 86400  # how long request state stays in Redis after it ends
+    # How often the leader broadcasts the attempts it has in progress (``LiveAttempts``): executors
+    # free what they hold of any other (a lost release). 0: never.
+    reconcile_s: float = 10.0
     view_s: float = 1.0  # how often the per-tenant operator view is refreshed in Redis
     # A dispatched node may run max(node_time_limit_s, node_time_factor × its estimate); past that it
     # is requeued elsewhere and its executor gets no work until it stops reporting it (0: no limit).

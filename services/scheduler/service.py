@@ -45,6 +45,7 @@ from libs.protocol.messages import (
     ExecutorGoodbye,
     ExecutorHeartbeat,
     ImageRequest,
+    LiveAttempts,
     NodeComplete,
     NodeFailed,
     ReleaseRequest,
@@ -71,6 +72,7 @@ from services.scheduler.effects import (
 from services.scheduler.intake import Intake
 from services.scheduler.lease import Lease, LeaseLost
 from services.scheduler.retrying import Backoff, is_transient, retry_transient
+from services.scheduler.views import live_attempts
 from services.scheduler.vtime_store import StaleEpoch, VTimeStore
 
 log = logging.getLogger(__name__)
@@ -558,7 +560,7 @@ class SchedulerService:
 
     # -- timers ---------------------------------------------------------------------------------------------
     async def tick_loop(self) -> None:
-        last_stats = last_view = 0.0
+        last_stats = last_view = last_reconcile = 0.0
         while True:
             await asyncio.sleep(self.cfg.tick_s)
             now = time.monotonic()
@@ -566,12 +568,23 @@ class SchedulerService:
                 self._apply(self.core.expire(now) + self.core.schedule(now))
             except Exception:  # noqa: BLE001
                 log.exception("scheduler tick failed")
+            if self.cfg.reconcile_s > 0 and now - last_reconcile >= self.cfg.reconcile_s and self.leading:
+                last_reconcile = now
+                await self._publish_live_attempts()
             if now - last_view >= self.cfg.view_s:
                 last_view = now
                 await self._publish_tenants(log_it=now - last_stats > 10.0)
                 if now - last_stats > 10.0:
                     last_stats = now
                     log.info("state: %s", self.core.stats())
+
+    async def _publish_live_attempts(self) -> None:
+        """Tell executors which attempts are in progress, so they free any other (a lost release)."""
+        live = LiveAttempts(live_attempts(self.core.runs.values()), epoch=self.epoch)
+        try:
+            await self.nc.publish(self.subjects.executors_all, encode(live))
+        except Exception as e:  # noqa: BLE001 - sent again next period
+            log.warning("broadcasting the live attempts failed: %s", e)
 
     async def _publish_tenants(self, log_it: bool) -> None:
         """The operator view: per-tenant vTime, service and queued/running work, in Redis."""

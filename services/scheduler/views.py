@@ -41,3 +41,8 @@ def stats(executors: Iterable[ExecutorState], runs: Iterable[RequestRun]) -> dic
         "ready_nodes": sum(len(r.nodes.ready) for r in reqs),
         "running_nodes": sum(len(r.nodes.in_flight) for r in reqs),
     }
+
+
+def live_attempts(runs: Iterable[RequestRun]) -> list[str]:
+    """The attempts in progress, encoded (what ``LiveAttempts`` carries to executors)."""
+    return [run.ref.encode() for run in runs]
