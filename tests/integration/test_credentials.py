@@ -300,6 +300,7 @@ def test_compose_credentials_load_in_nats_server_and_redis_server(tmp_path):
         stderr=subprocess.STDOUT,
     )
     try:
+
         def health_pings() -> bool:  # unauthenticated PING gets NOAUTH now: the health user's
             try:
                 return redis.Redis(port=port, username="health", password="health").ping()
