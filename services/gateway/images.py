@@ -231,6 +231,9 @@ async def replay(request: web.Request, held: IdempotencyRecord, fp: str) -> web.
     bridge = app[BRIDGE]
     left = max(1.0, rec.created + rec.timeout_s + 5 - time.time())
     results = await asyncio.gather(*(bridge.wait(rid, left) for rid in rec.request_ids))
+    # Kept as the first call's are: a lookup by id must then agree with this answer, even before the
+    # scheduler has stored the results (it publishes them first).
+    await bridge.remember([r for r in results if r is not None])
     app[METRICS]["idempotent_replays"] += 1
     return await answer(request, rec, list(results), stale=True)
 
