@@ -86,7 +86,7 @@ class Segment:
     producer's arena.
     """
 
-    def __init__(self, name: str, *, writable: bool = False) -> None:
+    def __init__(self, name: str, *, writable: bool = False, keep_fd: bool = False) -> None:
         flags = os.O_RDWR if writable else os.O_RDONLY
         fd = _posixshmem.shm_open("/" + name, flags, mode=0)
         try:
@@ -99,9 +99,20 @@ class Segment:
                 raise DataPlaneError(f"shared-memory segment {name!r} is empty")
             prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
             self._mmap: mmap.mmap | None = mmap.mmap(fd, self.size, prot=prot)
-        finally:
+        except BaseException:
+            os.close(fd)
+            raise
+        # With keep_fd the descriptor stays open for linked(): one fstat per check instead of a
+        # shm_open + fstat + close by name. It is closed after the mapping (close()).
+        self._fd = fd if keep_fd else -1
+        if not keep_fd:
             os.close(fd)
         self.view: memoryview = memoryview(self._mmap)
+
+    @property
+    def fd(self) -> int:
+        """The descriptor kept open with ``keep_fd`` (-1 without, and once closed)."""
+        return self._fd
 
     @staticmethod
     def current_ident(name: str) -> tuple[int, int, int] | None:
@@ -120,8 +131,29 @@ class Segment:
             os.close(fd)
         return (st.st_dev, st.st_ino, st.st_size)
 
+    def linked(self) -> bool:
+        """Whether the segment this maps is still linked (False once anyone unlinked it: its owner
+        closing, a successor replacing it, the resource tracker after a crash), by one ``fstat`` of
+        the descriptor kept open (``keep_fd``); without one, by comparing the identity of the
+        segment now called ``name`` (three syscalls). False after ``close()``.
+
+        Segments are only ever created (``O_EXCL``) and unlinked, never renamed or hard-linked, so
+        a linked segment is the one its name refers to.
+        """
+        fd = self._fd
+        if fd < 0:
+            return self._mmap is not None and self.current_ident(self.name) == self.ident
+        try:
+            return os.fstat(fd).st_nlink > 0
+        except OSError:  # closed under us by another thread's close()
+            return False
+
     def close(self) -> None:
-        """Unmap (never unlinks). If a slice is still in use elsewhere the GC unmaps it later."""
+        """Unmap (never unlinks). If a slice is still in use elsewhere the GC unmaps it later.
+
+        The view goes first and the descriptor last: a thread that checked ``linked()`` through a
+        descriptor number that close() had already given back (and the OS reused) then finds the
+        view released and cannot read."""
         if self._mmap is None:
             return
         self.view.release()
@@ -130,6 +162,9 @@ class Segment:
         except BufferError:
             pass  # a concurrent reader still holds a slice; the mapping dies with it
         self._mmap = None
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
 
 
 class Arena:
@@ -203,13 +238,20 @@ class Arena:
         ``timeout`` seconds for frees. A request larger than the arena fails at once
         (non-retryable). Raises ArenaClosedError if the arena is or becomes closed.
         """
-        with self._locked():
-            self._check_open()
+        # The first attempt, inlined (it is on every pull): the lock, the allocator, and the
+        # deferred frees drained on the way out, as _locked() does.
+        with self._cond:
             try:
-                return self._alloc.alloc(nbytes)
-            except ArenaFullError as exc:
-                if not is_retryable(exc):
-                    raise
+                if self._closed:
+                    raise ArenaClosedError(self.name)
+                try:
+                    return self._alloc.alloc(nbytes)
+                except ArenaFullError as exc:
+                    if not is_retryable(exc):
+                        raise
+            finally:
+                if self._deferred:
+                    self._drain_deferred()
         reclaimer = self._reclaimer if reclaim else None
         while reclaimer is not None and reclaimer(nbytes) > 0:  # outside the lock: it frees blocks
             with self._locked():
@@ -272,11 +314,18 @@ class Arena:
 
         Raises ValueError for an offset that is not allocated (double free).
         """
-        with self._locked():
-            if self._closed:
-                return
-            self._alloc.free(offset)
-            self._cond.notify_all()
+        with self._cond:
+            try:
+                if self._closed:
+                    return
+                self._alloc.free(offset)
+                # Only allocations wait on the condition for frees (wait_for_waiters waits for
+                # _waiting to grow, which allocate() announces itself).
+                if self._waiting:
+                    self._cond.notify_all()
+            finally:
+                if self._deferred:
+                    self._drain_deferred()
 
     def free_soon(self, offset: int) -> None:
         """Free from any context, including a GC finalizer that fires inside one of this arena's

@@ -140,3 +140,52 @@ def test_random_programs_never_overlap_blocks_and_account_exactly(
         buddy.free(offset)
     assert buddy.free_bytes == capacity
     assert buddy.largest_free == capacity
+
+
+# --- lazy merging ------------------------------------------------------------------------------
+
+
+def test_a_freed_block_is_reused_by_the_next_request_of_its_order_without_merging() -> None:
+    buddy = BuddyAllocator(1024 * KIB, min_block=256)
+    offset = buddy.alloc(4 * KIB)
+    buddy.free(offset)
+    assert buddy.free_bytes == 1024 * KIB and buddy.allocated_blocks == 0
+    assert buddy.alloc(4 * KIB) == offset
+    buddy.free(offset)
+    with pytest.raises(ValueError, match="double free"):
+        buddy.free(offset)  # a block waiting unmerged is free, not allocated
+
+
+def test_lazily_freed_blocks_merge_before_any_request_fails_and_before_largest_free() -> None:
+    buddy = BuddyAllocator(16 * KIB, min_block=256, lazy=4)
+    offsets = [buddy.alloc(256) for _ in range(64)]
+    for offset in offsets:
+        buddy.free(offset)  # four of them wait unmerged
+    assert buddy.alloc(16 * KIB) == 0  # fits only once they merge
+    buddy.free(0)
+    small = [buddy.alloc(1 * KIB) for _ in range(4)]
+    for offset in small:
+        buddy.free(offset)
+    assert buddy.largest_free == 16 * KIB
+    with pytest.raises(ArenaFullError) as caught:
+        buddy.alloc(16 * KIB + 1)
+    assert not caught.value.retryable
+
+
+def test_a_failed_request_reports_the_figures_of_a_merged_allocator() -> None:
+    buddy = BuddyAllocator(4 * KIB, min_block=256, lazy=4)
+    keep = buddy.alloc(2 * KIB)
+    halves = [buddy.alloc(256) for _ in range(4)]
+    for offset in halves:
+        buddy.free(offset)  # cached, unmerged: 1 KiB in 256-byte pieces
+    with pytest.raises(ArenaFullError) as caught:
+        buddy.alloc(4 * KIB)
+    assert (caught.value.free, caught.value.largest) == (2 * KIB, 2 * KIB)
+    buddy.free(keep)
+    assert buddy.largest_free == 4 * KIB
+
+
+def test_lazy_zero_is_a_plain_buddy() -> None:
+    buddy = BuddyAllocator(16 * KIB, min_block=256, lazy=0)
+    buddy.free(buddy.alloc(256))
+    assert buddy._free[buddy._max_order] == {0}

@@ -9,6 +9,8 @@ between processes on one host, TCP across hosts, NVSHMEM between GPUs of one wor
 from __future__ import annotations
 
 import abc
+import ctypes
+from collections.abc import Callable
 from types import TracebackType
 
 from libs.dataplane.arena import Arena
@@ -16,17 +18,84 @@ from libs.dataplane.transport.tags import TagTable
 from libs.protocol.errors import BadTensorMetaError
 from libs.protocol.tensor_meta import TensorMeta
 
-#: Copies are split into chunks of this size so a multi-hundred-MiB pull gives other Python
-#: threads (the executor's asyncio loop) a chance to run between chunks.
+#: Copies of at least this many bytes run as one ``memmove`` with the GIL released (below it a
+#: memoryview assignment is cheaper than the ctypes call). One call rather than chunks: glibc
+#: switches to non-temporal stores only for copies larger than a share of the last-level cache
+#: (tens of MiB), so the 8 MiB pieces this used to copy in ran at about half of memcpy's bandwidth
+#: for large tensors (docs/dataplane.md, "Pull bandwidth"). Other Python threads (the executor's
+#: asyncio loop) run during the copy because the GIL is released, not between pieces.
+COPY_NOGIL_MIN = 1 << 20
+#: The pieces the TCP transport sends large replies in (a socket timeout bounds each piece).
 COPY_CHUNK = 8 << 20
 
 
-def copy_bytes(dst: memoryview, src: memoryview) -> None:
-    """``dst[:len(src)] = src`` as a sequence of memcpy's of at most COPY_CHUNK bytes."""
+class _PyBuffer(ctypes.Structure):
+    """CPython's ``Py_buffer`` (stable since 3.3), to read a buffer's address."""
+
+    _fields_ = [
+        ("buf", ctypes.c_void_p),
+        ("obj", ctypes.c_void_p),
+        ("len", ctypes.c_ssize_t),
+        ("itemsize", ctypes.c_ssize_t),
+        ("readonly", ctypes.c_int),
+        ("ndim", ctypes.c_int),
+        ("format", ctypes.c_char_p),
+        ("shape", ctypes.c_void_p),
+        ("strides", ctypes.c_void_p),
+        ("suboffsets", ctypes.c_void_p),
+        ("internal", ctypes.c_void_p),
+    ]
+
+
+try:
+    _get_buffer = ctypes.pythonapi.PyObject_GetBuffer
+    _get_buffer.argtypes = [ctypes.py_object, ctypes.POINTER(_PyBuffer), ctypes.c_int]
+    _get_buffer.restype = ctypes.c_int
+    _release_buffer = ctypes.pythonapi.PyBuffer_Release
+    _release_buffer.argtypes = [ctypes.POINTER(_PyBuffer)]
+    _release_buffer.restype = None
+    # ctypes.memmove is a CFUNCTYPE: calling it releases the GIL.
+    _memmove: Callable[[int, int, int], int] | None = ctypes.memmove
+except (AttributeError, OSError):  # an interpreter without the C API through ctypes (PyPy)
+    _memmove = None
+
+
+def address_of(view: memoryview) -> int:
+    """The address of a C-contiguous buffer's first byte (read-only buffers too). The caller keeps
+    ``view`` alive, and with it the export that keeps the memory mapped, while it uses the address.
+
+    Costs a few microseconds (two C-API calls through ctypes): transports call it once per mapping
+    and add offsets (``copy_bytes``'s ``dst_address`` / ``src_address``)."""
+    buf = _PyBuffer()
+    _get_buffer(view, ctypes.byref(buf), 0)  # PyBUF_SIMPLE: BufferError unless contiguous
+    try:
+        return int(buf.buf or 0)
+    finally:
+        _release_buffer(ctypes.byref(buf))
+
+
+def copy_bytes(
+    dst: memoryview, src: memoryview, dst_address: int | None = None, src_address: int | None = None
+) -> None:
+    """``dst[:len(src)] = src``: one memcpy, with the GIL released from COPY_NOGIL_MIN bytes up.
+
+    ``dst_address`` / ``src_address``, when given, are the addresses of ``dst[0]`` / ``src[0]``
+    (computed once per mapping by the caller): they spare two address look-ups (~5 µs) per copy.
+    The views must still be the ones at those addresses: they are what keeps the memory mapped.
+    Both views stay alive during the call (they are arguments: they do), so neither mapping can
+    be unmapped under the copy: closing an mmap with live exports fails.
+    """
     n = src.nbytes
-    for start in range(0, n, COPY_CHUNK):
-        end = min(n, start + COPY_CHUNK)
-        dst[start:end] = src[start:end]
+    if n < COPY_NOGIL_MIN or _memmove is None:
+        dst[:n] = src
+        return
+    if dst.nbytes < n or not (dst.c_contiguous and src.c_contiguous) or dst.readonly:
+        raise ValueError(f"cannot copy {n} bytes into a {dst.nbytes}-byte destination")
+    _memmove(
+        address_of(dst) if dst_address is None else dst_address,
+        address_of(src) if src_address is None else src_address,
+        n,
+    )
 
 
 class Transport(abc.ABC):
