@@ -23,22 +23,17 @@ import asyncio
 import json
 import sys
 import time
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import aiohttp  # noqa: E402
+from common import REPO, client_session, generate, local_brokers, register, running, sim_stack  # noqa: E402
 from redis.asyncio import Redis  # noqa: E402
 
-from libs.launcher import brokers  # noqa: E402
-from libs.launcher.stack import Stack  # noqa: E402
 from libs.protocol.keys import Keys  # noqa: E402
 from libs.sim.profile import load_profile  # noqa: E402
 from libs.sim.workflows import flux1_dev_like, sd3_medium_like  # noqa: E402
-from libs.workflow.spec import encode_spec  # noqa: E402
 
 TENANTS = {"sd3": "sd3-medium-like", "flux": "flux1-dev-like"}
 FAMILY = {"sd3": "sd3-medium", "flux": "flux1-dev"}
@@ -77,18 +72,13 @@ def solo_latency(profile, family: str) -> float:
 async def run_config(
     policy: str, slack: float, args, nats_url: str, redis_url: str, deadlines: dict[str, float]
 ) -> Run:
-    from tests.conftest import cleanup_namespace, free_port
-
     scale = args.scale
-    stack = Stack(
-        namespace="fair" + uuid.uuid4().hex[:6],
-        log_dir=REPO / "var" / "bench" / f"fair-{policy}-{slack:g}",
-        model_root=REPO / "models",
-        gateway_port=free_port(),
-        executors=0,
-        sim_executors=args.gpus,
-        sim_profile="paper-h800",
-        sim_time_scale=scale,
+    stack = sim_stack(
+        "fair",
+        REPO / "var" / "bench" / f"fair-{policy}-{slack:g}",
+        gpus=args.gpus,
+        profile="paper-h800",
+        time_scale=scale,
         api_keys="sk-warmup=warmup:admin,sk-sd3=sd3,sk-flux=flux",
         nats_url=nats_url,
         redis_url=redis_url,
@@ -97,75 +87,59 @@ async def run_config(
             "T2I_SCHEDULER_SLACK_S": str(slack),
             "T2I_SCHEDULER_VIEW_S": "0.05",
         },
-        gateway_env={
-            "T2I_GATEWAY_MAX_INFLIGHT": "100000",
-            "T2I_GATEWAY_TENANT_INFLIGHT": "100000",
-            "T2I_GATEWAY_REQUEST_TIMEOUT_S": "3600",
-        },
     )
     run = Run(policy, slack)
-    await asyncio.to_thread(stack.start)
-    redis = Redis.from_url(redis_url)
     keys = Keys(stack.namespace)
-    try:
-        for spec in (sd3_medium_like(), flux1_dev_like()):
-            status, body = await asyncio.to_thread(
-                stack.http, "POST", "/v1/workflows", json.loads(encode_spec(spec)), "sk-warmup"
-            )
-            assert status == 201, body
-        connector = aiohttp.TCPConnector(limit=0)
-        async with aiohttp.ClientSession(
-            connector=connector, timeout=aiohttp.ClientTimeout(total=None)
-        ) as http:
+    async with running(stack):
+        redis = Redis.from_url(redis_url)
+        try:
+            await register(stack, (sd3_medium_like(), flux1_dev_like()), "sk-warmup")
+            async with client_session() as http:
 
-            async def one(tenant: str, seed: int, key: str = "") -> float | None:
-                t0 = time.monotonic()
-                async with http.post(
-                    f"{stack.url}/v1/images/generations",
-                    json={"model": TENANTS[tenant], "prompt": "a lighthouse", "seed": seed},
-                    headers={"Authorization": f"Bearer {key or 'sk-' + tenant}"},
-                ) as resp:
-                    await resp.read()
-                    return (time.monotonic() - t0) / scale if resp.status == 200 else None
+                async def one(tenant: str, seed: int, key: str = "") -> float | None:
+                    status, waited, _ = await generate(
+                        http, stack, TENANTS[tenant], key or "sk-" + tenant, seed
+                    )
+                    return waited / scale if status == 200 else None
 
-            # Warm-up by a third tenant: models resident, estimates learnt; the two measured tenants
-            # start with no history, so neither begins the run ahead in vTime.
-            for tenant in TENANTS:
-                assert await one(tenant, 0, key="sk-warmup") is not None
-            start = time.monotonic()
-            stop_sampling = asyncio.Event()
-
-            async def sample() -> None:
-                while not stop_sampling.is_set():
-                    view = {k.decode(): json.loads(v) for k, v in (await redis.hgetall(keys.tenants)).items()}
-                    run.samples.append(((time.monotonic() - start) / scale, view))
-                    await asyncio.sleep(0.05)
-
-            sampler = asyncio.create_task(sample())
-            tasks: dict[str, list[asyncio.Task]] = {t: [] for t in TENANTS}
-            seed = 1
-            for tenant in TENANTS:
-                for _ in range(args.backlog):
-                    tasks[tenant].append(asyncio.create_task(one(tenant, seed)))
-                    seed += 1
-            interval = 1.0 / args.rate
-            for k in range(int(args.duration * args.rate)):  # 2 requests/s each, in profile time
-                await asyncio.sleep(max(0.0, start + k * interval * scale - time.monotonic()))
+                # Warm-up by a third tenant: models resident, estimates learnt; the two measured tenants
+                # start with no history, so neither begins the run ahead in vTime.
                 for tenant in TENANTS:
-                    tasks[tenant].append(asyncio.create_task(one(tenant, seed)))
-                    seed += 1
-            # Wait long enough for every request to meet or miss its deadline, then stop.
-            await asyncio.sleep(max(deadlines.values()) * scale)
-            stop_sampling.set()
-            await sampler
-            for tenant, ts in tasks.items():
-                for t in ts:
-                    run.latency[tenant].append(t.result() if t.done() and not t.exception() else None)
-                    t.cancel()
-    finally:
-        await redis.aclose()
-        await asyncio.to_thread(stack.stop)
-        await cleanup_namespace(nats_url, redis_url, stack.namespace)
+                    assert await one(tenant, 0, key="sk-warmup") is not None
+                start = time.monotonic()
+                stop_sampling = asyncio.Event()
+
+                async def sample() -> None:
+                    while not stop_sampling.is_set():
+                        view = {
+                            k.decode(): json.loads(v) for k, v in (await redis.hgetall(keys.tenants)).items()
+                        }
+                        run.samples.append(((time.monotonic() - start) / scale, view))
+                        await asyncio.sleep(0.05)
+
+                sampler = asyncio.create_task(sample())
+                tasks: dict[str, list[asyncio.Task]] = {t: [] for t in TENANTS}
+                seed = 1
+                for tenant in TENANTS:
+                    for _ in range(args.backlog):
+                        tasks[tenant].append(asyncio.create_task(one(tenant, seed)))
+                        seed += 1
+                interval = 1.0 / args.rate
+                for k in range(int(args.duration * args.rate)):  # 2 requests/s each, in profile time
+                    await asyncio.sleep(max(0.0, start + k * interval * scale - time.monotonic()))
+                    for tenant in TENANTS:
+                        tasks[tenant].append(asyncio.create_task(one(tenant, seed)))
+                        seed += 1
+                # Wait long enough for every request to meet or miss its deadline, then stop.
+                await asyncio.sleep(max(deadlines.values()) * scale)
+                stop_sampling.set()
+                await sampler
+                for tenant, ts in tasks.items():
+                    for t in ts:
+                        run.latency[tenant].append(t.result() if t.done() and not t.exception() else None)
+                        t.cancel()
+        finally:
+            await redis.aclose()
     return run
 
 
@@ -289,21 +263,17 @@ async def main() -> int:
     deadlines = {t: 3 * solo_latency(profile, FAMILY[t]) for t in TENANTS}
     # The largest charge of a single dispatch: a cold load plus one call (Flux's DiT: 0.77 + 0.235 s).
     l_max = max(m.load_s.value + m.exec_s.value for m in profile.models.values())
-    nats_url, redis_url = "nats://127.0.0.1:4222", "redis://127.0.0.1:6379/0"
-    started = brokers.ensure_brokers(nats_url, redis_url, REPO / "var" / "bench", log=lambda *_: None)
     configs = CONFIGS
     if args.only:
         wanted = set(args.only.split(","))
         configs = [(p, s) for p, s in CONFIGS if p in wanted or f"{p}:{s:g}" in wanted]
     results = []
-    try:
+    with local_brokers() as (nats_url, redis_url):
         for policy, slack in configs:
             t0 = time.monotonic()
             run = await run_config(policy, slack, args, nats_url, redis_url, deadlines)
             results.append(analyse(run, deadlines))
             print(f"  {run.label}: done in {time.monotonic() - t0:.0f}s", file=sys.stderr)
-    finally:
-        brokers.stop(started)
 
     report(results, args, profile, deadlines, l_max)
     return 0
