@@ -30,6 +30,17 @@ def _pow2_at_least(n: int) -> int:
     return 1 << max(n - 1, 1).bit_length()
 
 
+def granularity(cfg: ExecutorConfig) -> str:
+    """How cached weights are kept (``T2I_EXECUTOR_CACHE_MODE``, else from the deployment mode
+    ``T2I_SCHEDULER_DEPLOYMENT`` the scheduler runs, else ``layer``: docs/scheduling.md)."""
+    from libs.dataplane.weights import cache_granularity
+
+    try:
+        return cache_granularity(cfg.cache_mode, os.environ.get("T2I_SCHEDULER_DEPLOYMENT", ""))
+    except ValueError as e:
+        raise SystemExit(f"T2I_EXECUTOR_CACHE_MODE: {e}") from None
+
+
 async def build(stack: AsyncExitStack) -> ExecutorGroup:
     cfg = load_config(ExecutorConfig, "T2I_EXECUTOR_")
     if cfg.mode == "sim":
@@ -87,6 +98,7 @@ async def build_real(stack: AsyncExitStack, cfg: ExecutorConfig) -> ExecutorGrou
         budget=max(0, cfg.device_budget_mb) << 20,
         arena=transport.arena,
         arena_budget=int(cfg.arena_weights * transport.arena.capacity),
+        granularity=granularity(cfg),
     )
     runner = NodeRunner(store, models, cfg.device)
     nc = await connect(common.nats_url, f"executor-{executor_id}")
@@ -111,6 +123,7 @@ async def build_real(stack: AsyncExitStack, cfg: ExecutorConfig) -> ExecutorGrou
         f"{transport.kind} arena of {transport.arena.capacity >> 20} MiB at {transport.address}, "
         + (f"host tier {tier.name!r} of {cfg.host_tier_mb} MiB" if tier is not None else "no host tier")
         + (f", weights budget {cfg.device_budget_mb} MiB" if cfg.device_budget_mb > 0 else "")
+        + f", weights cached by {models.weights.policy.granularity}"
     )
     return ExecutorGroup([service], ready)
 
@@ -124,6 +137,7 @@ async def build_simulated(stack: AsyncExitStack, cfg: ExecutorConfig) -> Executo
     base = _safe_id(cfg.id or f"sim-{socket.gethostname()}-{os.getpid()}")
     setup_logging(f"executor[{base}]", common.log_level)
     profile = load_profile(cfg.sim_profile)
+    cache = granularity(cfg)
     nc = await connect(common.nats_url, f"executor-{base}")
     own(stack, nc.drain, "nats")
     subjects = Subjects(common.namespace)
@@ -139,7 +153,7 @@ async def build_simulated(stack: AsyncExitStack, cfg: ExecutorConfig) -> Executo
                 nc=nc,
                 subjects=subjects,
                 store=store,
-                runner=SimRunner(profile, store, cfg.sim_time_scale),
+                runner=SimRunner(profile, store, cfg.sim_time_scale, granularity=cache),
                 images=images,
                 fns=catalog.names(),
                 heartbeat_s=cfg.heartbeat_s,
@@ -150,7 +164,7 @@ async def build_simulated(stack: AsyncExitStack, cfg: ExecutorConfig) -> Executo
         )
     ready = (
         f"executor ready: {cfg.sim_count} simulated {profile.device} executors "
-        f"(profile {profile.name}, time scale {cfg.sim_time_scale:g})"
+        f"(profile {profile.name}, time scale {cfg.sim_time_scale:g}, weights cached by {cache})"
     )
     return ExecutorGroup(members, ready)
 

@@ -43,6 +43,12 @@ class ExecutorConfig(msgspec.Struct, forbid_unknown_fields=True):
     # that cached weights may fill while communication does not need it (it takes them back).
     device_budget_mb: int = 0
     arena_weights: float = 0.5
+    # The unit cached weights are kept and evicted in (docs/scheduling.md, "Deployment modes"):
+    # "layer" (ServerlessT2I: layer prefixes), or the paper's baselines "model" (MCache: whole models),
+    # "workflow" (WCache: whole workflows, a copy of each model per workflow) and "none" (NoCache:
+    # nothing stays once a request ends). "" (default): from T2I_SCHEDULER_DEPLOYMENT when set (the
+    # same setting, ours|mcache|wcache|nocache, read by both services), else "layer".
+    cache_mode: str = ""
     # Component dtype per model name (as in specs): "tiny-flux=bfloat16,*=float16"; "*" for every
     # other model; unset: as saved (the tiny CPU models stay fp32, bitwise equal to diffusers).
     dtypes: str = ""

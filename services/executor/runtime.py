@@ -33,6 +33,7 @@ import torch
 
 from libs.dataplane.errors import DataPlaneError, PeerBusyError, TransportError
 from libs.dataplane.store import Lease, TensorStore
+from libs.dataplane.weights import cache_key, model_of, per_model
 from libs.errors import is_retryable
 from libs.protocol.errors import BadTensorMetaError
 from libs.protocol.ids import ModelKey, NodeRef
@@ -121,6 +122,7 @@ class ModelCache:
         arena_budget: int = 0,
         kind: str = "",
         keep: Any = None,
+        granularity: str = "layer",
     ) -> None:
         self.root = root
         self.device = device
@@ -128,12 +130,14 @@ class ModelCache:
         self.dtypes = dict(dtypes or {})  # model name (or "*") -> dtype its components load in
         self.weights = WeightCache(
             device, budget, loader=loader, arena=arena, arena_budget=arena_budget,
-            kind=kind or torch.device(device).type, keep=keep,
+            kind=kind or torch.device(device).type, keep=keep, granularity=granularity,
         )  # fmt: skip
         self._fns: dict[str, ModelFn] = {}
         self._takes_loader: dict[str, bool] = {}
-        self._components: dict[ModelKey, dict[str, Any]] = {}
-        self._sync_next: set[ModelKey] = set()  # reload in the foreground after a failed load
+        # Keyed by the cache key: the ModelKey, or (workflow, ModelKey) under the WCache deployment
+        # mode (a copy of the model per workflow, as separate GPU functions would hold).
+        self._components: dict[Any, dict[str, Any]] = {}
+        self._sync_next: set[Any] = set()  # reload in the foreground after a failed load
         self._lock = threading.Lock()
 
     def fn(self, name: str) -> ModelFn:
@@ -146,11 +150,12 @@ class ModelCache:
             self._fns[name] = inst
         return inst
 
-    def acquire(self, fn: str, model: str) -> Acquired:
+    def acquire(self, fn: str, model: str, workflow: str = "") -> Acquired:
         """The components of ``fn`` for ``model``, held for one run: loaded on first use (the
         ModelFn's ``load_model(model_path, device, loader=...)``), their missing layers placed and
-        being copied in (execute may start at once). Always end with :meth:`release`."""
-        key = ModelKey(fn, model)
+        being copied in (execute may start at once). Always end with :meth:`release`. ``workflow``
+        is the request's (WCache keeps a copy per workflow)."""
+        key = cache_key(self.weights.policy.granularity, workflow, ModelKey(fn, model))
         t0 = time.perf_counter()
         comps = self._components.get(key)
         first = comps is None
@@ -187,7 +192,8 @@ class ModelCache:
                 raise NodeError(str(e), retryable=True) from e
         return ModelLoad(report.seconds + stall_s, report.tier, report.disk_bytes, report.frac, stall_s)
 
-    def _load(self, key: ModelKey) -> dict[str, Any]:
+    def _load(self, ckey: Any) -> dict[str, Any]:
+        key: ModelKey = model_of(ckey)  # type: ignore[assignment]
         inst = self.fn(key.fn)
         path = resolve_model_path(key.model, self.root)
         loader = self.loader
@@ -195,20 +201,21 @@ class ModelCache:
             if loader is not None and self._accepts_loader(key.fn, inst):
                 dtype = self.dtypes.get(key.model, self.dtypes.get("*"))
                 tagged = loader.tagged([key.encode()], dtype)
-                staging = _HostStaging(tagged, sync=key in self._sync_next)
+                staging = _HostStaging(tagged, sync=ckey in self._sync_next)
                 comps = inst.load_model(path, self.device, loader=staging)
-                self._sync_next.discard(key)
-                self.weights.add(key, comps, loader=tagged)
+                self._sync_next.discard(ckey)
+                group = ckey[0] if ckey is not key else None
+                self.weights.add(ckey, comps, loader=tagged, group=group)
             else:
                 comps = inst.load_model(path, self.device)
         except (OSError, ValueError) as e:
             raise NodeError(f"{key.fn} cannot load model {key.model!r} (from {path!r}): {e}") from e
         with self._lock:
-            self._components[key] = comps
-        log.info("loaded %s (%d layers)", key, len(getattr(self.weights.models.get(key), "slots", ())))
+            self._components[ckey] = comps
+        log.info("loaded %s (%d layers)", ckey, len(getattr(self.weights.models.get(ckey), "slots", ())))
         return comps
 
-    def _forget(self, key: ModelKey) -> None:
+    def _forget(self, key: Any) -> None:
         """Drop a model whose load failed: the next node loads it again, in the foreground."""
         with self._lock:
             self._components.pop(key, None)
@@ -250,14 +257,17 @@ class ModelCache:
         cached = self.weights.snapshot()
         with self._lock:
             keys = list(self._components)
-        full = [
-            k for k in keys if k not in self.weights.models or (k in cached and cached[k][0] == cached[k][1])
-        ]
-        return sorted(full, key=ModelKey.encode)
+        full = {
+            model_of(k)
+            for k in keys
+            if k not in self.weights.models or (k in cached and cached[k][0] == cached[k][1])
+        }
+        return sorted(full, key=ModelKey.encode)  # type: ignore[arg-type]
 
     def cached(self) -> dict[ModelKey, tuple[int, int, int, int]]:
-        """Per model with any layer on the device: (resident layers, layers, resident bytes, bytes)."""
-        return self.weights.snapshot()  # type: ignore[return-value]
+        """Per model with any layer on the device: (resident layers, layers, resident bytes, bytes)
+        (under WCache: its most resident copy)."""
+        return per_model(self.weights.snapshot())  # type: ignore[return-value]
 
     def trim(self, fn: str, model: str, resident: int) -> None:
         """Keep only the first ``resident`` layers of a loaded model (benchmarks, tests)."""
@@ -400,6 +410,10 @@ class NodeRunner:
     def host_report(self) -> tuple[list[ModelKey], dict[str, int]]:
         return self.models.host_report()
 
+    def request_ended(self, request_id: str) -> None:
+        """The scheduler released ``request_id`` (NoCache: nothing of it stays on the device)."""
+        self.models.weights.end_request(request_id)
+
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
@@ -423,7 +437,8 @@ class NodeRunner:
                 raise NodeError(f"{d.fn} got inputs {sorted(d.inputs)}, declares {sorted(declared)}")
             fetches = _Fetches(self, node)
             run.callback(fetches.close)
-            held = self.models.acquire(d.fn, d.model)  # missing layers copy in while it runs
+            self.models.weights.begin_request(d.request_id)  # NoCache: another request's models go
+            held = self.models.acquire(d.fn, d.model, d.workflow)  # missing layers copy in while it runs
             try:
                 try:
                     inputs, deferred = self._bind_inputs(d, declared, blobs or {}, fetches)

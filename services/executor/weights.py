@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from libs.dataplane.errors import DataPlaneError
-from libs.dataplane.weights import ARENA, DEVICE, CachePolicy, Eviction, prefix_length
+from libs.dataplane.weights import ARENA, DEVICE, LAYER, CachePolicy, Eviction, prefix_length
 from services.executor.layers import PAGE, LayerLoadError, LayerSlot, VirtualModel, drop_source
 
 log = logging.getLogger(__name__)
@@ -147,11 +147,14 @@ class WeightCache:
         arena_budget: int = 0,
         kind: str = "cpu",
         keep: Callable[[Hashable, list[int]], int | None] | None = None,
+        granularity: str = LAYER,
     ) -> None:
         self.device = torch.device(device)
         self.unlimited = budget <= 0
         self.configured = budget  # the operator's bound (the GPU's free memory may lower it)
-        self.policy = CachePolicy(budget if budget > 0 else 1 << 62, arena_budget if arena is not None else 0)
+        self.policy = CachePolicy(
+            budget if budget > 0 else 1 << 62, arena_budget if arena is not None else 0, granularity
+        )
         self.loader = loader
         self.arena = arena
         self.kind = kind
@@ -166,16 +169,31 @@ class WeightCache:
             arena.set_reclaimer(self.reclaim)
 
     # -- models ----------------------------------------------------------------------------------
-    def add(self, key: Hashable, components: dict[str, Any], loader: Any = None) -> VirtualModel:
+    def add(
+        self, key: Hashable, components: dict[str, Any], loader: Any = None, group: Hashable = None
+    ) -> VirtualModel:
         """Take over the layers of ``components`` (just loaded: their checkpoints are the sources of
-        the first copy); ``loader`` reloads evicted layers later (the cache's own if None)."""
+        the first copy); ``loader`` reloads evicted layers later (the cache's own if None); ``group``
+        is the model's workflow (the WCache deployment mode evicts a workflow's models together)."""
         vm = VirtualModel(key, components, self.device)
         vm.loader = loader if loader is not None else self.loader
         with self._lock:
             self.models[key] = vm
             keep = self.keep_override(key, vm.sizes()) if self.keep_override else None
-            self.policy.add(key, vm.sizes(), keep)
+            self.policy.add(key, vm.sizes(), keep, group=group)
         return vm
+
+    def begin_request(self, request_id: str) -> None:
+        """A node of ``request_id`` is about to run (NoCache: another request's models go first)."""
+        with self._lock:
+            for ev in self.policy.begin_request(request_id):
+                self._apply_eviction(ev)
+
+    def end_request(self, request_id: str) -> None:
+        """``request_id`` ended (NoCache: nothing of it stays on the device)."""
+        with self._lock:
+            for ev in self.policy.end_request(request_id):
+                self._apply_eviction(ev)
 
     def begin(self, key: Hashable) -> tuple[LoadJob, LoadReport]:
         """Pin ``key``, make room, place its missing layers and start copying them in; the model

@@ -23,6 +23,7 @@ from libs.protocol.keys import Keys
 from libs.protocol.subjects import Subjects
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.core import SchedulerCore
+from services.scheduler.deployment import Deployment
 from services.scheduler.lease import LeaseLost
 from services.scheduler.policy import get_policy
 from services.scheduler.service import SchedulerService
@@ -41,13 +42,20 @@ async def build(stack: AsyncExitStack) -> SchedulerService:
         max_restarts=cfg.max_restarts,
         node_time_limit_s=cfg.node_time_limit_s,
         node_time_factor=cfg.node_time_factor,
+        deployment=Deployment(cfg.deployment),
     )
     nc = await connect(common.nats_url, "scheduler")
     own(stack, nc.drain, "nats")
     redis = connect_redis(common.redis_url)
     own(stack, redis.aclose, "redis")
     slack = f", slack {cfg.slack_s:g}s" if cfg.policy == "fair" else ""
-    log.info("scheduler configured (policy %s%s, namespace %s)", cfg.policy, slack, common.namespace)
+    log.info(
+        "scheduler configured (policy %s%s, deployment %s, namespace %s)",
+        cfg.policy,
+        slack,
+        cfg.deployment,
+        common.namespace,
+    )
     return SchedulerService(
         nc=nc,
         redis=redis,

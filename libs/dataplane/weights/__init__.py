@@ -2,7 +2,23 @@
 §5.3): the prefix arithmetic (:mod:`.prefix`) and the residency policy (:mod:`.policy`), both pure
 and torch-free so real and simulated executors share them."""
 
-from libs.dataplane.weights.policy import ARENA, DEVICE, REGIONS, CachePolicy, Eviction, NoRoom
+from libs.dataplane.weights.policy import (
+    ARENA,
+    DEVICE,
+    GRANULARITIES,
+    LAYER,
+    MODEL,
+    NONE,
+    REGIONS,
+    WORKFLOW,
+    CachePolicy,
+    Eviction,
+    NoRoom,
+    cache_granularity,
+    cache_key,
+    model_of,
+    per_model,
+)
 from libs.dataplane.weights.prefix import (
     pipelined_seconds,
     prefix_length,
@@ -13,7 +29,12 @@ from libs.dataplane.weights.prefix import (
 __all__ = [
     "ARENA",
     "DEVICE",
+    "GRANULARITIES",
+    "LAYER",
+    "MODEL",
+    "NONE",
     "REGIONS",
+    "WORKFLOW",
     "CachePolicy",
     "Eviction",
     "NoRoom",
@@ -21,4 +42,8 @@ __all__ = [
     "prefix_length",
     "sequential_seconds",
     "uniform_prefix",
+    "cache_granularity",
+    "cache_key",
+    "model_of",
+    "per_model",
 ]

@@ -18,6 +18,18 @@ Eviction order, when a region needs ``n`` bytes:
 Only bytes in the region that needs them count, but the layer evicted is always the model's top
 layer whatever its region, so residency stays a prefix.
 
+That is the ``layer`` *granularity* (ServerlessT2I's). The paper's baselines (§8.1; the deployment
+modes of docs/scheduling.md) cache coarser units with the same LRU order, and evict a unit whole:
+
+* ``model`` (MCache): whole models, least recently used first; no prefix is ever left behind;
+* ``workflow`` (WCache): whole workflows: every model added with the same ``group`` (its workflow)
+  goes at once, the group least recently used (by its most recent model) first, and none while any
+  model of the group is pinned. The executors key such models by ``(workflow, model)``, so each
+  workflow holds its own copy of a shared model, as separate GPU functions would;
+* ``none`` (NoCache): as ``model`` under pressure, and :meth:`CachePolicy.begin_request` /
+  :meth:`CachePolicy.end_request` evict everything unpinned when a request ends, or when a node of
+  another request starts, so every request loads all its models.
+
 :class:`CachePolicy` is bookkeeping only: no clock, no I/O, no torch. The executor's runtime
 (:mod:`services.executor.weights`) and the simulated executor apply its decisions, so both make the
 same ones for the same sequence of requests.
@@ -32,6 +44,12 @@ from dataclasses import dataclass, field
 DEVICE = "device"
 ARENA = "arena"
 REGIONS = (DEVICE, ARENA)
+
+LAYER = "layer"  # ServerlessT2I: layer prefixes, LRU across models
+MODEL = "model"  # MCache: whole models, LRU
+WORKFLOW = "workflow"  # WCache: whole workflows (models of one group), LRU
+NONE = "none"  # NoCache: whole models, and nothing kept once a request ends
+GRANULARITIES = (LAYER, MODEL, WORKFLOW, NONE)
 
 
 class NoRoom(Exception):
@@ -60,6 +78,7 @@ class _Model:
     keep: int
     regions: list[str] = field(default_factory=list)  # region of each resident layer (a prefix)
     pins: int = 0
+    group: Hashable = None  # the workflow it belongs to (the ``workflow`` granularity's unit)
 
     @property
     def resident(self) -> int:
@@ -71,24 +90,37 @@ class CachePolicy:
 
     ``device_budget`` bounds the bytes of layers in the ``device`` region; ``arena_budget`` bounds
     those placed in the arena (the share of the arena that cached weights may use; communication
-    can reclaim all of it, :meth:`reclaim`)."""
+    can reclaim all of it, :meth:`reclaim`). ``granularity`` is the unit evicted (module docstring):
+    ``layer`` (default), ``model``, ``workflow`` or ``none``."""
 
-    def __init__(self, device_budget: int, arena_budget: int = 0) -> None:
+    def __init__(self, device_budget: int, arena_budget: int = 0, granularity: str = LAYER) -> None:
         if device_budget < 0 or arena_budget < 0:
             raise ValueError("budgets must be >= 0")
+        if granularity not in GRANULARITIES:
+            raise ValueError(
+                f"unknown cache granularity {granularity!r}; choose one of {list(GRANULARITIES)}"
+            )
+        self.granularity = granularity
         self.budgets = {DEVICE: int(device_budget), ARENA: int(arena_budget)}
         self.used = {DEVICE: 0, ARENA: 0}
         self._models: OrderedDict[Hashable, _Model] = OrderedDict()  # least recently used first
+        self._request: Hashable = None  # the request whose nodes run here (``none`` granularity)
 
     # -- models ----------------------------------------------------------------------------------
-    def add(self, key: Hashable, sizes: Sequence[int], keep: int | None = None) -> None:
-        """Know ``key``'s layer sizes (nothing resident yet); it becomes the most recently used."""
+    def add(
+        self, key: Hashable, sizes: Sequence[int], keep: int | None = None, group: Hashable = None
+    ) -> None:
+        """Know ``key``'s layer sizes (nothing resident yet); it becomes the most recently used.
+        ``group`` is its workflow (evicted together under the ``workflow`` granularity)."""
         if key in self._models:
             raise ValueError(f"{key} is already known")
         if any(s < 0 for s in sizes):
             raise ValueError("layer sizes must be >= 0")
         n = len(sizes)
-        self._models[key] = _Model(tuple(int(s) for s in sizes), n if keep is None else _clamp(keep, n))
+        keep = n if keep is None else _clamp(keep, n)
+        if self.granularity != LAYER:
+            keep = 0  # coarse units never keep a prefix behind
+        self._models[key] = _Model(tuple(int(s) for s in sizes), keep, group=group)
 
     def remove(self, key: Hashable) -> list[Eviction]:
         """Forget ``key``; returns its resident layers (top first) for the caller to free."""
@@ -126,9 +158,9 @@ class CachePolicy:
         return self._models[key].keep
 
     def set_keep(self, key: Hashable, keep: int) -> None:
-        """The prefix ``key`` keeps in the first eviction phase (its Lₑ′)."""
+        """The prefix ``key`` keeps in the first eviction phase (its Lₑ′; layer granularity only)."""
         model = self._models[key]
-        model.keep = _clamp(keep, len(model.sizes))
+        model.keep = _clamp(keep, len(model.sizes)) if self.granularity == LAYER else 0
 
     def touch(self, key: Hashable) -> None:
         self._models.move_to_end(key)
@@ -189,9 +221,9 @@ class CachePolicy:
             return []
         evictable = sum(
             s
-            for key, m in self._models.items()
-            if not m.pins and key != exclude
-            for s, r in zip(m.sizes, m.regions, strict=False)
+            for unit in self._units(exclude)
+            for key in unit
+            for s, r in zip(self._models[key].sizes, self._models[key].regions, strict=False)
             if r == region
         )
         if evictable < need:
@@ -200,6 +232,12 @@ class CachePolicy:
 
     def _evict_until(self, region: str, nbytes: int, exclude: Hashable = None) -> list[Eviction]:
         out: list[Eviction] = []
+        if self.granularity != LAYER:
+            for unit in list(self._units(exclude)):
+                if self.free(region) >= nbytes:
+                    break
+                out += self._evict_unit(unit)
+            return out
         for key, _layer in self.victims(exclude):
             if self.free(region) >= nbytes:
                 break
@@ -245,6 +283,15 @@ class CachePolicy:
         to evict. Never waits, never raises; returns the evictions."""
         out: list[Eviction] = []
         freed = 0
+        if self.granularity != LAYER:  # whole units that hold some of the region, LRU first
+            for unit in list(self._units()):
+                if freed >= nbytes:
+                    break
+                if any(region in self._models[k].regions for k in unit):
+                    evicted = self._evict_unit(unit)
+                    out += evicted
+                    freed += sum(ev.nbytes for ev in evicted if ev.region == region)
+            return out
         for phase in (1, 2):  # victims() order, but a model without layers in region stays whole
             for key, model in list(self._models.items()):
                 if model.pins:
@@ -270,11 +317,71 @@ class CachePolicy:
         """Bring ``region`` back within its budget (after a model larger than the free space ran
         over it while pinned), evicting in the usual order."""
         out: list[Eviction] = []
+        if self.granularity != LAYER:
+            for unit in list(self._units()):
+                if self.used[region] <= self.budgets[region]:
+                    break
+                out += self._evict_unit(unit)
+            return out
         for key, _layer in self.victims():
             if self.used[region] <= self.budgets[region]:
                 break
             out.append(self._evict_top(key, self._models[key]))
         return out
+
+    # -- coarse units (the baselines' granularities) ----------------------------------------------
+    def _units(self, exclude: Hashable = None) -> Iterator[list[Hashable]]:
+        """Eviction units with something resident, least recently used first: a model under the
+        ``layer`` and ``model``/``none`` granularities (pinned ones and ``exclude`` skipped), a
+        workflow's models under ``workflow`` (a group with a pinned model, or ``exclude``'s own group,
+        skipped whole)."""
+        if self.granularity != WORKFLOW:
+            for key, m in self._models.items():
+                if m.resident and not m.pins and key != exclude:
+                    yield [key]
+            return
+        members: dict[Hashable, list[Hashable]] = {}
+        for key, m in self._models.items():  # a group's recency: its most recently used model
+            keys = members.pop(m.group, [])
+            keys.append(key)
+            members[m.group] = keys  # re-inserted: the groups end up in LRU order
+        own = self._models[exclude].group if exclude in self._models else object()
+        for group, keys in members.items():
+            if group == own or any(self._models[k].pins for k in keys):
+                continue
+            if any(self._models[k].resident for k in keys):
+                yield keys
+
+    def _evict_unit(self, keys: list[Hashable]) -> list[Eviction]:
+        out: list[Eviction] = []
+        for key in keys:
+            model = self._models[key]
+            out += [self._evict_top(key, model) for _ in range(model.resident)]
+        return out
+
+    def clear(self) -> list[Eviction]:
+        """Evict every layer of every unpinned model (NoCache at the end of a request)."""
+        out: list[Eviction] = []
+        for key, model in self._models.items():
+            if not model.pins:
+                out += [self._evict_top(key, model) for _ in range(model.resident)]
+        return out
+
+    def begin_request(self, request: Hashable) -> list[Eviction]:
+        """A node of ``request`` is about to run. Under the ``none`` granularity a request other than
+        the last one first finds the device empty (its GPU function starts cold); otherwise nothing."""
+        if self.granularity != NONE or request == self._request:
+            return []
+        self._request = request
+        return self.clear()
+
+    def end_request(self, request: Hashable) -> list[Eviction]:
+        """``request`` ended. Under the ``none`` granularity, if its nodes were the last to run here,
+        nothing of it stays on the device; otherwise nothing happens."""
+        if self.granularity != NONE or request != self._request:
+            return []
+        self._request = None
+        return self.clear()
 
     # -- recording -------------------------------------------------------------------------------
     def placed(self, key: Hashable, layer: int, region: str) -> None:
@@ -292,6 +399,50 @@ class CachePolicy:
         region = model.regions.pop()
         self.used[region] -= model.sizes[layer]
         return Eviction(key, layer, region, model.sizes[layer])
+
+
+# The deployment modes (T2I_SCHEDULER_DEPLOYMENT, docs/scheduling.md) and the granularity each one's
+# executors cache weights at.
+DEPLOYMENT_GRANULARITY = {"ours": LAYER, "mcache": MODEL, "wcache": WORKFLOW, "nocache": NONE}
+
+
+def cache_granularity(cache_mode: str = "", deployment: str = "") -> str:
+    """An executor's granularity: ``cache_mode`` when set, else its deployment mode's (``layer``
+    when neither is set). Raises ValueError for an unknown one."""
+    if cache_mode:
+        if cache_mode not in GRANULARITIES:
+            raise ValueError(f"unknown cache mode {cache_mode!r}; choose one of {list(GRANULARITIES)}")
+        return cache_mode
+    try:
+        return DEPLOYMENT_GRANULARITY[deployment or "ours"]
+    except KeyError:
+        raise ValueError(
+            f"unknown deployment mode {deployment!r}; choose one of {list(DEPLOYMENT_GRANULARITY)}"
+        ) from None
+
+
+def cache_key(granularity: str, workflow: str, model: Hashable) -> Hashable:
+    """The key an executor caches ``model`` under: ``(workflow, model)`` under the ``workflow``
+    granularity (each workflow holds its own copy, as a separate GPU function would), else the model."""
+    return (workflow, model) if granularity == WORKFLOW else model
+
+
+def model_of(key: Hashable) -> Hashable:
+    """The model a :func:`cache_key` caches."""
+    return key[1] if type(key) is tuple else key
+
+
+def per_model(
+    snapshot: dict[Hashable, tuple[int, int, int, int]],
+) -> dict[Hashable, tuple[int, int, int, int]]:
+    """A :meth:`CachePolicy.snapshot` per model (what executors report): under the ``workflow``
+    granularity the most resident copy of each model."""
+    out: dict[Hashable, tuple[int, int, int, int]] = {}
+    for key, entry in snapshot.items():
+        model = model_of(key)
+        if model not in out or entry[2] > out[model][2]:
+            out[model] = entry
+    return out
 
 
 def _clamp(value: int, n: int) -> int:
