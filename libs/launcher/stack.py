@@ -59,7 +59,9 @@ class Stack:
     redis_url: str = "redis://127.0.0.1:6379/0"
     executor_threads: int = 1
     executor_arena_mb: int = 256
-    sim_executors: int = 0  # simulated executors, all in one extra process
+    sim_executors: int = 0  # simulated executors, in ``sim_processes`` extra processes
+    sim_processes: int = 1  # 2+: "sim-executors-0", ... each running its share (ids ``{ns}-sim{p}-{i}``)
+    sim_heartbeat_s: float = 0.5
     sim_profile: str = "paper-h800"
     sim_time_scale: float = 1.0
     schedulers: int = 1  # 2+: scheduler-0, scheduler-1, ... (one leads: the lease decides)
@@ -153,16 +155,16 @@ class Stack:
             )
             for i in range(self.executors):
                 self.start_executor(f"executor-{i}")
-            if self.sim_executors:
+            for name, base, count in self._sim_groups():
                 self.spawn(
-                    "sim-executors",
+                    name,
                     "services.executor",
                     T2I_EXECUTOR_MODE="sim",
-                    T2I_EXECUTOR_ID=f"{self.namespace}-sim",
-                    T2I_EXECUTOR_SIM_COUNT=str(self.sim_executors),
+                    T2I_EXECUTOR_ID=base,
+                    T2I_EXECUTOR_SIM_COUNT=str(count),
                     T2I_EXECUTOR_SIM_PROFILE=self.sim_profile,
                     T2I_EXECUTOR_SIM_TIME_SCALE=str(self.sim_time_scale),
-                    T2I_EXECUTOR_HEARTBEAT_S="0.5",
+                    T2I_EXECUTOR_HEARTBEAT_S=str(self.sim_heartbeat_s),
                 )
             self.wait_ready(timeout)
         except BaseException:
@@ -173,11 +175,22 @@ class Stack:
     def executor_ids(self) -> dict[str, list[str]]:
         """Executor process name -> the executor ids it runs (as ``start`` names them)."""
         ids = {f"executor-{i}": [f"{self.namespace}-executor-{i}"] for i in range(self.executors)}
-        if self.sim_executors:
-            base = f"{self.namespace}-sim"
-            n = self.sim_executors
-            ids["sim-executors"] = [base] if n == 1 else [f"{base}-{i}" for i in range(n)]
+        for name, base, n in self._sim_groups():
+            ids[name] = [base] if n == 1 else [f"{base}-{i}" for i in range(n)]
         return ids
+
+    def _sim_groups(self) -> list[tuple[str, str, int]]:
+        """(process name, executor id base, count) per simulated-executor process."""
+        if self.sim_executors <= 0:
+            return []
+        procs = max(1, min(self.sim_processes, self.sim_executors))
+        if procs == 1:
+            return [("sim-executors", f"{self.namespace}-sim", self.sim_executors)]
+        share, extra = divmod(self.sim_executors, procs)
+        return [
+            (f"sim-executors-{p}", f"{self.namespace}-sim{p}", share + (1 if p < extra else 0))
+            for p in range(procs)
+        ]
 
     def start_secure_brokers(self) -> None:
         """The private nats-server with the roles' users and the streams, and the Redis users."""

@@ -100,6 +100,9 @@ class Dispatch(_Msg, tag="dispatch"):
     inputs: dict[str, InputBinding]
     outputs: list[OutputPlan]
     callbacks: list[str] = []
+    # The request's workflow: the unit an executor caches under the WCache deployment mode (its
+    # models are keyed per workflow there, docs/scheduling.md "Deployment modes").
+    workflow: str = ""
     # The fencing token of the scheduler that sent it (its lease's epoch): an executor refuses a
     # dispatch with a lower one than it has seen (``STALE_EPOCH``): that scheduler was replaced.
     epoch: int = 0

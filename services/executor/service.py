@@ -29,6 +29,7 @@ from typing import Any, Protocol
 import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.js.api import ObjectMeta, ObjectMetaOptions
 from nats.js.object_store import ObjectStore
 
 from libs.common.retry import retry
@@ -58,6 +59,11 @@ from services.executor.callbacks import CallbackBox
 from services.executor.outcome import NodeError, NodeOutcome
 
 log = logging.getLogger(__name__)
+
+#: Chunk size of the PNGs we upload: a typical image in one chunk (the library's default, 128 KiB,
+#: split a 256x256 PNG in two: a round trip more to write and another to read). The gateway reads
+#: a chunk as base64 in a JSON reply, which must stay under NATS' 1 MiB payload limit.
+IMAGE_CHUNK = 512 << 10
 
 
 class Runner(Protocol):
@@ -179,8 +185,12 @@ class ExecutorService:
 
     async def heartbeat(self) -> None:
         # The host tier's report takes a file lock: read it off the loop, before this beat's sequence
-        # number and state are taken together (no await between them).
-        host_keys, host_stats = await asyncio.to_thread(self.runner.host_report)
+        # number and state are taken together (no await between them). A runner without a host tier
+        # (simulated: ``host_report_blocks`` False) answers at once, without a thread hop.
+        if getattr(self.runner, "host_report_blocks", True):
+            host_keys, host_stats = await asyncio.to_thread(self.runner.host_report)
+        else:
+            host_keys, host_stats = self.runner.host_report()
         self.seq += 1
         stats = self.store.stats()
         hb = ExecutorHeartbeat(
@@ -253,6 +263,9 @@ class ExecutorService:
                 freed = self._release_attempts(attempts)
                 if freed:
                     log.debug("released %d tensors of %s", freed, rid)
+                ended = getattr(self.runner, "request_ended", None)
+                if ended is not None:  # NoCache: nothing of the request stays (deployment modes)
+                    ended(rid)
             case LiveAttempts(attempts=raw):
                 try:
                     live = {AttemptRef.decode(a) for a in raw}
@@ -414,7 +427,9 @@ class ExecutorService:
     async def _execute(self, d: Dispatch) -> tuple[NodeOutcome, dict[str, ImageRef]]:
         """Fetch the node's pictures, run it (within the executor's limit), upload its sinks."""
         limit = self.node_timeout_s if self.node_timeout_s > 0 else None
-        outcome = await asyncio.wait_for(self.runner.run(d, await self._fetch_images(d)), limit)
+        blobs = await self._fetch_images(d)
+        async with asyncio.timeout(limit):  # as wait_for, without a task of its own per node
+            outcome = await self.runner.run(d, blobs)
         return outcome, await self._upload(d, outcome)
 
     async def _fetch_images(self, d: Dispatch) -> dict[str, bytes]:
@@ -443,7 +458,14 @@ class ExecutorService:
         for name, png in outcome.pngs.items():
             t0 = time.perf_counter()
             obj = by_name[name].sink
-            await retry(lambda obj=obj, data=png.data: self.images.put(obj, data), f"uploading {obj}")
+            await retry(
+                lambda obj=obj, data=png.data: self.images.put(
+                    obj,
+                    data,
+                    meta=ObjectMeta(name=obj, options=ObjectMetaOptions(max_chunk_size=IMAGE_CHUNK)),
+                ),
+                f"uploading {obj}",
+            )
             sinks[name] = ImageRef(self.images._name, obj, len(png.data), png.width, png.height)  # noqa: SLF001
             log.debug("uploaded %s (%d bytes) in %.3fs", obj, len(png.data), time.perf_counter() - t0)
         return sinks

@@ -33,7 +33,16 @@ from typing import Any
 
 from libs.dataplane.buddy import BuddyAllocator
 from libs.dataplane.errors import ArenaFullError
-from libs.dataplane.weights import ARENA, CachePolicy, Eviction, pipelined_seconds, prefix_length
+from libs.dataplane.weights import (
+    ARENA,
+    LAYER,
+    CachePolicy,
+    Eviction,
+    cache_key,
+    per_model,
+    pipelined_seconds,
+    prefix_length,
+)
 from libs.protocol.ids import ModelKey
 from libs.protocol.messages import Dispatch, NodeTiming, TensorInput, TensorListInput
 from libs.protocol.tensor_meta import TensorMeta
@@ -42,6 +51,10 @@ from services.executor.callbacks import CallbackBox
 from services.executor.outcome import NodeError, NodeOutcome, Png
 
 GB = 1e9  # profiles give sizes in GB (10^9 bytes)
+# Simulated work shorter than this (in real seconds, after the time scale) is not slept: the runner
+# yields to the event loop once and reports the profiled time. Only tiny time scales (bench/scale.py)
+# get there; it changes the simulation alone (docs/scheduling.md, "Control-plane speed").
+YIELD_BELOW_S = 0.001
 
 
 @dataclass(frozen=True)
@@ -147,11 +160,17 @@ class SimRunner:
     Each model is ``layers`` uniform layers (:class:`~libs.sim.profile.ModelProfile`). A node pins
     its model, places the missing layers (evicting others' top layers, LRU model first, down to their
     prefixes), and is charged the load its compute cannot hide: ``pipelined_seconds(load, comp,
-    resident) - Σ comp``, 0 when every layer was resident."""
+    resident) - Σ comp``, 0 when every layer was resident.
+
+    ``granularity`` is the policy's unit (``layer``, or a deployment-mode baseline's ``model``,
+    ``workflow``, ``none``: :mod:`libs.dataplane.weights.policy`), exactly as on a real executor."""
 
     cancels_cleanly = True  # a simulated node is an asyncio sleep: a time limit just cancels it
+    host_report_blocks = False  # no host tier: heartbeats read the (empty) report on the loop
 
-    def __init__(self, profile: Profile, store: SimStore, time_scale: float = 1.0) -> None:
+    def __init__(
+        self, profile: Profile, store: SimStore, time_scale: float = 1.0, granularity: str = LAYER
+    ) -> None:
         if time_scale <= 0:
             raise ValueError("time_scale must be > 0")
         self.profile = profile
@@ -161,23 +180,30 @@ class SimRunner:
         self.policy = CachePolicy(
             device_budget=round(self.capacity_gb * GB),
             arena_budget=int(profile.arena_weights * store.capacity),
+            granularity=granularity,
         )
-        self._times: dict[ModelKey, tuple[list[float], list[float]]] = {}  # per-layer load, comp
-        self._arena: dict[tuple[ModelKey, int], int] = {}  # (model, layer) -> arena block offset
+        # Keyed by the policy's cache key: the ModelKey, or (workflow, ModelKey) under ``workflow``.
+        self._times: dict[object, tuple[list[float], list[float]]] = {}  # per-layer load, comp
+        self._arena: dict[tuple[object, int], int] = {}  # (cache key, layer) -> arena block offset
         self._bw = profile.transfer_gb_s.value * 1e9 if profile.transfer_gb_s else 0.0
         self.callbacks = CallbackBox()  # simulated nodes never wait for callback inputs
         store.reclaim = self.reclaim_arena
 
     def resident(self) -> list[ModelKey]:
         """Models with every layer on the device, least recently used first."""
-        return [k for k, (n, layers, _, _) in self.policy.snapshot().items() if n == layers]
+        return [k for k, (n, layers, _, _) in self.cached().items() if n == layers]
 
     def host_report(self) -> tuple[list[ModelKey], dict[str, int]]:
         return [], {}  # simulated executors have no host tier yet
 
     def cached(self) -> dict[ModelKey, tuple[int, int, int, int]]:
         """Per model with any layer on the device: (resident layers, layers, resident bytes, bytes)."""
-        return self.policy.snapshot()  # type: ignore[return-value]  # keys are ModelKeys
+        return per_model(self.policy.snapshot())  # type: ignore[return-value]  # keys are ModelKeys
+
+    def request_ended(self, request_id: str) -> None:
+        """The scheduler released ``request_id``: under NoCache nothing of it stays on the device."""
+        for ev in self.policy.end_request(request_id):
+            self._evicted(ev)
 
     def reclaim_arena(self, nbytes: int) -> int:
         """Communication needs ``nbytes`` of the arena: evict cached layers there (never those of a
@@ -194,7 +220,7 @@ class SimRunner:
     def close(self) -> None:
         pass
 
-    def _known(self, key: ModelKey, prof: ModelProfile) -> None:
+    def _known(self, key: object, prof: ModelProfile, group: str = "") -> None:
         if key in self.policy:
             return
         if prof.layer_bytes:  # measured layers: each loads in its share of the time by size
@@ -207,10 +233,10 @@ class SimRunner:
             sizes = [base + (1 if i < extra else 0) for i in range(n)]  # sums to the model's bytes
             load = [prof.load_s.value / n] * n
         comp = [prof.exec_s.value / n] * n
-        self.policy.add(key, sizes, keep=prefix_length(load, comp))
+        self.policy.add(key, sizes, keep=prefix_length(load, comp), group=group)
         self._times[key] = (load, comp)
 
-    def _to_arena(self, key: ModelKey, layer: int, nbytes: int) -> bool:
+    def _to_arena(self, key: object, layer: int, nbytes: int) -> bool:
         try:
             offset = self.store.alloc_weights(nbytes)
         except ArenaFullError:
@@ -222,7 +248,7 @@ class SimRunner:
         if ev.region == ARENA:
             self.store.free_weights(self._arena.pop((ev.key, ev.layer)))
 
-    def _acquire(self, key: ModelKey, prof: ModelProfile) -> tuple[float, float, bool]:
+    def _acquire(self, key: object, prof: ModelProfile, group: str = "") -> tuple[float, float, bool]:
         """Pin ``key`` with every layer resident; (exposed load seconds, fraction of its bytes
         loaded, whether anything loaded)."""
         if prof.size_gb.value > self.capacity_gb:
@@ -230,7 +256,7 @@ class SimRunner:
                 f"{key} needs {prof.size_gb.value} GB, more than the {self.capacity_gb} GB of the "
                 "simulated GPU"
             )
-        self._known(key, prof)
+        self._known(key, prof, group)
         load, comp = self._times[key]
         before = self.policy.resident(key)
         try:
@@ -246,7 +272,7 @@ class SimRunner:
         exposed = max(0.0, pipelined_seconds(load, comp, before) - sum(comp))
         return exposed, min(1.0, loaded / total) if total else 0.0, bool(loaded) or exposed > 0
 
-    def _release(self, key: ModelKey) -> None:
+    def _release(self, key: object) -> None:
         self.policy.unpin(key)
         for ev in self.policy.over_budget():  # a model that ran over the budget gives layers back
             self._evicted(ev)
@@ -255,7 +281,9 @@ class SimRunner:
         prof = self.profile.model(d.model)
         if prof is None:
             raise NodeError(f"model {d.model!r} is not in simulation profile {self.profile.name!r}")
-        key = ModelKey(d.fn, d.model)
+        key = cache_key(self.policy.granularity, d.workflow, ModelKey(d.fn, d.model))
+        for ev in self.policy.begin_request(d.request_id):  # NoCache: a new request starts cold
+            self._evicted(ev)
         reads = [
             m
             for i in d.inputs.values()
@@ -264,12 +292,18 @@ class SimRunner:
         ]
         remote = sum(m.nbytes for m in reads if m.executor != self.store.executor_id)
         fetch_s = remote / self._bw if self._bw else 0.0
-        load_s, load_frac, loaded = self._acquire(key, prof)  # pinned until its compute is done
+        load_s, load_frac, loaded = self._acquire(key, prof, d.workflow)  # pinned until its compute is done
         try:
             planned = load_s + fetch_s + prof.exec_s.value
-            t0 = time.perf_counter()
-            await asyncio.sleep(planned * self.scale)
-            measured = (time.perf_counter() - t0) / self.scale  # profile seconds, jitter included
+            if planned * self.scale < YIELD_BELOW_S:
+                # A timer this short would last >= 1 ms anyway (the event loop's epoll timeout has
+                # millisecond resolution): yield once instead, and report the profiled time.
+                await asyncio.sleep(0)
+                measured = planned
+            else:
+                t0 = time.perf_counter()
+                await asyncio.sleep(planned * self.scale)
+                measured = (time.perf_counter() - t0) / self.scale  # profile seconds, jitter included
         finally:
             self._release(key)  # before storing outputs, which may take back its arena layers
         stretch = measured / planned if planned > 0 else 0.0

@@ -53,6 +53,7 @@ from libs.protocol.tensor_meta import TensorMeta
 from libs.workflow.dag import Const, Dag, ImageSource, LoraSource, TensorSource
 from services.scheduler import lineage, seen, views
 from services.scheduler.accounting import Accounts
+from services.scheduler.deployment import Deployment
 from services.scheduler.effects import (
     Effect,
     Finished,
@@ -67,7 +68,7 @@ from services.scheduler.executors import ExecutorState
 from services.scheduler.guards import overdue, timing_problem
 from services.scheduler.lifecycle import NodeRecord, NodeState, NodeTable
 from services.scheduler.policy import Policy
-from services.scheduler.records import RequestRun, metas_of
+from services.scheduler.records import RequestRun, metas_of, persist
 from services.scheduler.snapshot import Snapshot
 
 log = logging.getLogger(__name__)
@@ -85,8 +86,10 @@ class SchedulerCore:
         accounts: Accounts | None = None,
         node_time_limit_s: float = 600.0,
         node_time_factor: float = 10.0,
+        deployment: Deployment | None = None,
     ) -> None:
         self.policy = policy
+        self.deployment = deployment or Deployment()  # ours, or a baseline's placement (deployment.py)
         self.estimator = estimator or Estimator()
         self.accounts = accounts or Accounts()
         self.heartbeat_timeout_s = heartbeat_timeout_s
@@ -169,6 +172,7 @@ class SchedulerCore:
             self.executors[hb.executor] = ex
             log.info("executor %s joined (%s, %d ModelFns)", hb.executor, hb.kind, len(hb.fns))
         running = ex.apply_report(hb, now)
+        self.deployment.heard(hb)
         ex.foreign = tuple(r for r in running if r not in self._dispatched)
         effects: list[Effect] = []
         if ex.running and ex.acked_seq is not None and hb.seq > ex.acked_seq and ex.running not in running:
@@ -273,6 +277,9 @@ class SchedulerCore:
         return self._fail_expired(now) + self._schedule(now)
 
     def _schedule(self, now: float) -> list[Effect]:
+        if not any(run.nodes.ready for run in self.runs.values()):
+            self._note_waiting()  # nothing to place: no snapshot (it is the costly part)
+            return []
         has_idle = any(e.idle for e in self.executors.values())
         if not has_idle:
             with_ready = {run.req.tenant for run in self.runs.values() if run.nodes.ready}
@@ -284,12 +291,12 @@ class SchedulerCore:
         if not snap.ready:
             self._note_waiting()
             return []
-        decision = self.policy(snap)
+        decision = self.deployment.decide(self.policy, snap, self.runs, self.executors)
         effects: list[Effect] = []
         for tenant, vtime in decision.lifts.items():
             before = self.accounts[tenant].vtime
             if (lifted := self.accounts.lift(tenant, vtime)) is not None:
-                log.info("vTime lift: tenant %s joins at %.3fs (was %.3fs)", tenant, vtime, before)
+                log.debug("vTime lift: tenant %s joins at %.3fs (was %.3fs)", tenant, vtime, before)
                 effects.append(lifted)
         for tenant, op_floor in decision.op_lifts.items():
             if (lifted := self.accounts.lift_ops(tenant, op_floor)) is not None:
@@ -330,6 +337,7 @@ class SchedulerCore:
         )
         node = rec.node
         ex.note_dispatch(rec.ref, now)
+        self.deployment.dispatched(run.request_id, ex.id)
         self._dispatched[rec.ref] = None
         while len(self._dispatched) > 100_000:
             self._dispatched.popitem(last=False)
@@ -357,6 +365,7 @@ class SchedulerCore:
             inputs=inputs,
             outputs=outputs,
             callbacks=sorted(node.callbacks),
+            workflow=run.req.workflow,
         )
         effects: list[Effect] = [SendDispatch(ex.id, msg)]
         if not rec.rerun:  # a rerun after a loss is the platform's: charged nothing (docs/scheduling.md)
@@ -568,29 +577,8 @@ class SchedulerCore:
             Finished(result, run.req.tenant),
         ]
 
-    def _persist(
-        self,
-        run: RequestRun,
-        status: str,
-        tensors: dict[str, TensorMeta] | None = None,
-        drop_tensors: bool = False,
-        **extra: str,
-    ) -> PersistRequest:
-        fields: dict[str, str | int | float] = {
-            "status": status,
-            "tenant": run.req.tenant,
-            "workflow": run.req.workflow,
-            "attempt": run.attempt,
-            "nodes_total": len(run.dag.nodes),
-            "nodes_done": run.nodes.done,
-            "bytes_moved": run.bytes_moved,
-            "gpu_s": round(run.gpu_s, 6),
-            "rerun_s": round(run.rerun_s, 6),
-            "executors": ",".join(sorted(run.executors)),
-            "callbacks_forwarded": run.callbacks_forwarded,
-            **{k: v for k, v in extra.items() if v},
-        }
-        return PersistRequest(run.request_id, fields, tensors or {}, drop_tensors)
+    def _persist(self, run: RequestRun, status: str, **kw) -> PersistRequest:
+        return persist(run, status, **kw)
 
     def tenant_stats(self) -> dict[str, dict[str, float | int]]:
         """The operator view: per tenant vTime, measured service, and its work in the system."""

@@ -27,14 +27,17 @@ LOAD_HALF_LIFE_S = 10.0
 def cached_fraction(value: object) -> float | None:
     """The fraction of a model's bytes on the device from a heartbeat's ``cached`` entry
     ``[resident_layers, total_layers, resident_bytes, total_bytes]``; None when it is malformed
-    (not four integers, negative, more resident than total, or a total of 0)."""
+    (not four integers, negative, more resident than total, no layers, or no bytes while only some
+    layers are resident). A model without weights (a noise sampler: ``[1, 1, 0, 0]``) is whole."""
     if not isinstance(value, (list, tuple)) or len(value) != 4:
         return None
     if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
         return None
     layers, total_layers, nbytes, total_bytes = value
-    if total_layers == 0 or total_bytes == 0 or layers > total_layers or nbytes > total_bytes:
+    if total_layers == 0 or layers > total_layers or nbytes > total_bytes:
         return None
+    if total_bytes == 0:
+        return 1.0 if layers == total_layers else None
     return nbytes / total_bytes
 
 
@@ -61,6 +64,10 @@ class ExecutorState:
     # Model -> fraction of its bytes on the device (resident models: 1.0; absent: nothing cached).
     # Replaced by each report, never mutated, so snapshots share it.
     cached: Mapping[ModelKey, float] = field(default_factory=lambda: MappingProxyType({}))
+    # Bumped by every change a policy sees (a report, a dispatch): ``seen.executor_info`` reuses
+    # the snapshot value it built while this is unchanged (the incremental snapshot).
+    version: int = field(default=0, repr=False, compare=False)
+    info_cache: tuple | None = field(default=None, repr=False, compare=False)
 
     @property
     def idle(self) -> bool:
@@ -74,6 +81,7 @@ class ExecutorState:
         self.running, self.acked_seq = node, None
         self.load = self.busy(now) + 1.0
         self.load_at = now
+        self.version += 1
 
     def apply_report(self, hb: ExecutorHeartbeat, now: float) -> list[NodeRef]:
         """Take in a heartbeat; return the nodes it reports running."""
@@ -117,6 +125,7 @@ class ExecutorState:
         self.arena_capacity = hb.arena_capacity
         self.arena_free = hb.arena_free
         self.suspect = False
+        self.version += 1
         if self.hung is not None and self.hung not in running:
             log.info(
                 "executor %s no longer runs %s, which overran its limit: it takes work again",

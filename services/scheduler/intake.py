@@ -124,6 +124,8 @@ class Intake:
         self._published_at = -float("inf")  # monotonic
         self._publishing: asyncio.Task | None = None
         self._publish_failed = False
+        self._states: dict[str, dict] = {}  # request id -> its stored state, read for its batch
+        self._checked: dict[str, int] = {}  # tenant -> requests of the batch checked, not queued yet
 
     @property
     def pending(self) -> int:
@@ -207,11 +209,33 @@ class Intake:
                     accepted.append((req, self._seq))
             except Exception:  # noqa: BLE001 - a bug: the message is redelivered after ack_wait
                 log.exception("intake of a message failed")
+        await self._prefetch([req for req, _ in accepted])
+        checked: list[tuple[ImageRequest, Dag, Deadline, int]] = []
         for req, seq in accepted:
             try:
-                await self._take_in(req, seq)
+                if (ok := await self._take_in(req, seq)) is not None:
+                    checked.append((req, *ok, seq))
             except Exception as e:  # noqa: BLE001 - a bug: answered rather than kept alive for ever
                 self._fail_permanently(req, e)
+        self._checked.clear()  # from here on they count in the backlog (or are retried)
+        if checked:
+            await self._enqueue_many(checked)
+
+    async def _prefetch(self, reqs: list[ImageRequest]) -> None:
+        """Read the stored state of a batch's requests in one pipeline (``_take`` uses it instead of
+        one round trip each: the take-in is sequential, so its round trips bound the intake rate)."""
+        self._states = {}
+        if len(reqs) < 2:
+            return
+        try:
+            pipe = self.redis.pipeline(transaction=False)
+            for req in reqs:
+                pipe.hgetall(self.keys.request(req.request_id))
+            states = await pipe.execute()
+        except Exception as e:  # noqa: BLE001 - each take-in reads its own state instead
+            log.debug("prefetching request state failed: %s", e)
+            return
+        self._states = {req.request_id: st for req, st in zip(reqs, states, strict=True)}
 
     async def _accept(self, m: Msg) -> ImageRequest | None:
         """The request to take in, registered with its handle; None when there is nothing to take
@@ -226,21 +250,45 @@ class Intake:
         self.handles[rid] = m
         return req
 
-    async def _take_in(self, req: ImageRequest, seq: int) -> None:
+    async def _take_in(self, req: ImageRequest, seq: int) -> tuple[Dag, Deadline] | None:
+        """Check ``req`` (``_check``); its DAG and deadline when it is to be queued (by the batch:
+        ``_enqueue_many``), None when it was answered or is being retried."""
         rid = req.request_id
         deadline = deadline_of(req, wall=time.time(), now=time.monotonic())
         if deadline.skew:
             log.warning("request %s: %s; its deadline counts from now", rid, deadline.skew)
         if self.taking:  # something is retrying: do not queue behind it
             self._keep_taking(req, deadline, None, seq)
-            return
+            return None
         try:
-            await self._take(req, deadline, seq)
+            dag = await self._check(req, deadline)
         except Exception as e:  # noqa: BLE001 - classified: transient ones are retried
             if not is_transient(e):
                 self._fail_permanently(req, e)
             else:
                 self._keep_taking(req, deadline, e, seq)
+            return None
+        if dag is None:
+            return None
+        self._checked[req.tenant] = self._checked.get(req.tenant, 0) + 1
+        return dag, deadline
+
+    async def _enqueue_many(self, items: list[tuple[ImageRequest, Dag, Deadline, int]]) -> None:
+        """Count the attempts of a batch's checked requests up in one pipeline, and queue them."""
+        try:
+            pipe = self.redis.pipeline(transaction=False)
+            for req, *_ in items:
+                pipe.hincrby(self.keys.request(req.request_id), "attempt", 1)
+            attempts = await pipe.execute()
+        except Exception as e:  # noqa: BLE001 - classified: transient ones are retried one by one
+            for req, _, deadline, seq in items:
+                if not is_transient(e):
+                    self._fail_permanently(req, e)
+                else:
+                    self._keep_taking(req, deadline, e, seq)
+            return
+        for (req, dag, deadline, seq), attempt in zip(items, attempts, strict=True):
+            await self._enqueue(req, dag, deadline, seq, int(attempt))
 
     def _keep_taking(self, req: ImageRequest, deadline: Deadline, error: Exception | None, seq: int) -> None:
         task = asyncio.create_task(self._retry(req, deadline, error, seq))
@@ -274,49 +322,62 @@ class Intake:
     async def _take(self, req: ImageRequest, deadline: Deadline, seq: int) -> None:
         """One try at taking ``req`` in (into the backlog); raises what it could not get past
         (transient or a bug)."""
+        dag = await self._check(req, deadline)
+        if dag is not None:
+            attempt = int(await self.redis.hincrby(self.keys.request(req.request_id), "attempt", 1))
+            await self._enqueue(req, dag, deadline, seq, attempt)
+
+    async def _check(self, req: ImageRequest, deadline: Deadline) -> Dag | None:
+        """Everything before ``req`` is queued: its DAG, or None when it was answered instead (its
+        result was stored, too many deliveries, over its tenant's backlog limit, past its deadline,
+        a bad workflow); raises what it could not get past (transient or a bug)."""
         rid = req.request_id
-        state = await self.redis.hgetall(self.keys.request(rid))
+        state = self._states.pop(rid, None)
+        if state is None:
+            state = await self.redis.hgetall(self.keys.request(rid))
         if state.get(b"status") in (b"succeeded", b"failed") and b"result" in state:
             # Finished before a crash lost the ack: answer again instead of recomputing.
             await self.nc.publish(self.subjects.result(rid), state[b"result"])
             m = self.handles.pop(rid, None)
             if m is not None:
                 await m.ack()
-            return
+            return None
         m = self.handles.get(rid)
         if m is not None and (delivered := _delivered(m)) > self.cfg.max_deliveries:
             error = f"delivered {delivered} times without an answer (schedulers crashed on it or lost it)"
             self._answer(req, failed(rid, error, "internal"))
-            return
+            return None
         cap = self.cfg.max_tenant_backlog
-        if cap > 0 and (queued := self.backlog.count(req.tenant)) >= cap:
+        if cap > 0 and (queued := self.backlog.count(req.tenant) + self._checked.get(req.tenant, 0)) >= cap:
             why = (
                 f"tenant {req.tenant!r} has {queued} requests queued at the scheduler, its limit "
                 f"(max_tenant_backlog {cap}); retry once some have started"
             )
             self._answer(req, failed(rid, why, "rate_limited"))
-            return
+            return None
         if deadline.passed(time.monotonic()):
             late = time.monotonic() - deadline.at
             why = f"deadline passed before it was taken in ({req.timeout_s:g}s after submission, {late:.1f}s ago)"
             self._answer(req, failed(rid, why, "timeout"))
-            return
+            return None
         try:
             spec = await self.registry.get(req.workflow, req.version)
-            dag = unroll(spec, resolve_params(spec, req.params))
+            return unroll(spec, resolve_params(spec, req.params))
         except (WorkflowNotFound, ParamError) as e:
             self._answer(req, failed(rid, str(e), "bad_params" if isinstance(e, ParamError) else "workflow"))
-            return
+            return None
         except (T2IError, msgspec.ValidationError) as e:
             if is_transient(e):
                 raise
             self._answer(req, failed(rid, f"workflow {req.workflow!r} cannot run: {e}", "workflow"))
-            return
-        attempt = int(await self.redis.hincrby(self.keys.request(rid), "attempt", 1))
+            return None
+
+    async def _enqueue(self, req: ImageRequest, dag: Dag, deadline: Deadline, seq: int, attempt: int) -> None:
+        """Queue a checked request for admission, as its ``attempt`` (counted up in Redis)."""
         if attempt > 1:
             # A previous scheduler worked on this request: free whatever it left on executors.
             await self.nc.publish(
-                self.subjects.executors_all, encode(ReleaseRequest(rid, -1, epoch=self.epoch))
+                self.subjects.executors_all, encode(ReleaseRequest(req.request_id, -1, epoch=self.epoch))
             )
         self.backlog.push(Queued(seq, req, dag, attempt, deadline.at))
         self.wake.set()

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import partial
 
+from libs.protocol.ids import ModelKey
 from services.scheduler.snapshot import (
     Assignment,
     Decision,
@@ -90,45 +91,196 @@ def _placeable(nodes: list[ReadyNode], free: dict[str, ExecutorInfo]) -> list[Re
     return [n for n in nodes if n.fn in fns]
 
 
+class _FreeFns:
+    """How many free executors run each ModelFn that ready work needs, kept as executors are taken
+    (``_placeable`` recomputed the union of every free executor's ModelFns for every assignment)."""
+
+    __slots__ = ("count",)
+
+    def __init__(self, free: dict[str, ExecutorInfo], needed: set[str]) -> None:
+        self.count = {f: sum(1 for e in free.values() if f in e.fns) for f in needed}
+
+    def take(self, ex: ExecutorInfo) -> list[str]:
+        """Remove ``ex``; the ModelFns no free executor runs any more."""
+        gone = []
+        for f, n in self.count.items():
+            if n and f in ex.fns:
+                self.count[f] = n - 1
+                if n == 1:
+                    gone.append(f)
+        return gone
+
+
+class _Placer:
+    """:func:`best_fit` over a shrinking set of free executors, without scanning all of them per
+    node: per model, the free executors sorted once by best_fit's rank without the local-input
+    term (most of the model on the device, its bytes in the host tier, least loaded, id); a node
+    takes the first of those that runs its ModelFn and has room, compared with the executors that
+    hold its inputs (ranked in full). The same executor as :func:`best_fit`, in O(1) per node
+    instead of O(free executors) once the order is built."""
+
+    __slots__ = ("free", "head", "order")
+
+    def __init__(self, free: dict[str, ExecutorInfo]) -> None:
+        self.free = free  # shared with the caller, who deletes the executors it takes
+        self.order: dict[ModelKey, list[tuple[tuple, ExecutorInfo]]] = {}
+        self.head: dict[ModelKey, int] = {}
+
+    def best(self, node: ReadyNode) -> ExecutorInfo | None:
+        free = self.free
+        local: dict[str, int] = {}
+        total = 0
+        for holder, nbytes in node.inputs:
+            local[holder] = local.get(holder, 0) + nbytes
+            total += nbytes
+        model = node.model_key
+        fn = node.fn
+        best: tuple | None = None
+        choice: ExecutorInfo | None = None
+        for holder, here in local.items():
+            ex = free.get(holder)
+            if ex is None or fn not in ex.fns or (ex.arena_capacity > 0 and total - here > ex.arena_free):
+                continue
+            frac = 1.0 if model in ex.resident else ex.cached.get(model, 0.0)
+            rank = (-frac, model not in ex.host_resident, -here, ex.load, ex.id)
+            if best is None or rank < best:
+                best, choice = rank, ex
+        order = self.order.get(model)
+        if order is None:
+            order = self.order[model] = sorted(
+                (
+                    (
+                        (
+                            -(1.0 if model in e.resident else e.cached.get(model, 0.0)),
+                            model not in e.host_resident,
+                            e.load,
+                            e.id,
+                        ),
+                        e,
+                    )
+                    for e in free.values()
+                ),
+                key=_first,
+            )
+            self.head[model] = 0
+        i = self.head[model]
+        while i < len(order) and order[i][1].id not in free:
+            i += 1  # taken since: never a candidate again
+        self.head[model] = i
+        for key, ex in order[i:]:
+            if ex.id not in free or ex.id in local or fn not in ex.fns:
+                continue
+            if ex.arena_capacity > 0 and total > ex.arena_free:
+                continue
+            rank = (key[0], key[1], 0, key[2], key[3])
+            if best is None or rank < best:
+                choice = ex
+            break
+        return choice
+
+
 def fair(snapshot: Snapshot, slack_s: float = 5.0) -> Decision:
-    """The two-layer fair policy of Algorithm 1, once per idle executor."""
+    """The two-layer fair policy of Algorithm 1, once per idle executor.
+
+    Each round: only work some free executor can run counts (work-conserving); Layer 1 admits the
+    tenants within ``slack_s`` of the least vTime among tenants with such work; Layer 2 takes the
+    admitted node with the best normalised score, ties broken by (arrival, request, order), and
+    places it with :func:`best_fit`. The rounds are computed incrementally (per-tenant node lists,
+    their extremes and best node cached until that tenant or the normalisers change), which picks
+    exactly the node a full scan of the pool would (docs/scheduling.md, "Control-plane speed").
+    """
     lifts = vtime_lifts(snapshot, slack_s)
     v = {name: t.vtime for name, t in snapshot.tenants.items()}
     v.update(lifts)
     free = {e.id: e for e in snapshot.idle}
-    remaining = list(snapshot.ready)
+    fns = _FreeFns(free, {n.fn for n in snapshot.ready})
+    placer = _Placer(free)
     now = snapshot.now
+    by_tenant: dict[str, list[ReadyNode]] = {}
+    for n in snapshot.ready:
+        if fns.count.get(n.fn, 0) > 0:  # placeable now (executors only go away)
+            by_tenant.setdefault(n.tenant, []).append(n)
+    extremes: dict[str, tuple[float, float, float]] = {}  # tenant -> (min ready_since, max r, max e)
+    best_of: dict[str, tuple[tuple, ReadyNode]] = {}  # tenant -> (score key, node) under ``norm``
+    norm: tuple[float, float, float] | None = None
     out: list[Assignment] = []
-    while free and remaining:
-        # Only work some idle executor can run counts, so the policy stays work-conserving.
-        candidates = _placeable(remaining, free)
-        if not candidates:
-            break
+    while free and by_tenant:
         # Layer 1: fairness filter over tenants with ready work.
-        tenants = {n.tenant for n in candidates}
-        v_min = min(v.get(t, 0.0) for t in tenants)
-        admitted = {t for t in tenants if v.get(t, 0.0) - v_min <= slack_s}
-        pool = [n for n in candidates if n.tenant in admitted]
+        v_min = min(v.get(t, 0.0) for t in by_tenant)
+        admitted = [t for t in by_tenant if v.get(t, 0.0) - v_min <= slack_s]
+        for t in admitted:
+            if t not in extremes:
+                nodes = by_tenant[t]
+                extremes[t] = (
+                    min(n.ready_since for n in nodes),
+                    max(n.remaining_s for n in nodes),
+                    max(n.est_s for n in nodes),
+                )
         # Layer 2: normalised priority score w^ - r^ - e^ (each term divided by its maximum).
-        w_max = max(now - n.ready_since for n in pool) or 1.0
-        r_max = max(n.remaining_s for n in pool) or 1.0
-        e_max = max(n.est_s for n in pool) or 1.0
-
-        def score(n: ReadyNode, w_max: float = w_max, r_max: float = r_max, e_max: float = e_max) -> tuple:
-            s = (now - n.ready_since) / w_max - n.remaining_s / r_max - n.est_s / e_max
-            return (-s, n.submitted_at, n.request_id, n.order)
-
-        best = min(pool, key=score)
-        ex = best_fit(best, free.values())
+        w_max = max(now - extremes[t][0] for t in admitted) or 1.0
+        r_max = max(extremes[t][1] for t in admitted) or 1.0
+        e_max = max(extremes[t][2] for t in admitted) or 1.0
+        if (w_max, r_max, e_max) != norm:
+            norm = (w_max, r_max, e_max)
+            best_of.clear()
+        pick: tuple[tuple, ReadyNode] | None = None
+        for t in admitted:
+            cand = best_of.get(t)
+            if cand is None:
+                cand = best_of[t] = min(
+                    (
+                        (
+                            (
+                                -((now - n.ready_since) / w_max - n.remaining_s / r_max - n.est_s / e_max),
+                                n.submitted_at,
+                                n.request_id,
+                                n.order,
+                            ),
+                            n,
+                        )
+                        for n in by_tenant[t]
+                    ),
+                    key=_first,
+                )
+            if pick is None or cand[0] < pick[0]:
+                pick = cand
+        assert pick is not None
+        best = pick[1]
+        ex = placer.best(best)
+        _drop(by_tenant, extremes, best_of, best)
         if ex is None:  # no idle executor that runs its ModelFn has room for its inputs
-            remaining.remove(best)
             continue
         charge = charge_for(best, ex)
         v[best.tenant] = v.get(best.tenant, 0.0) + charge
         out.append(Assignment(best.ref, ex.id, charge))
-        remaining.remove(best)
         del free[ex.id]
+        gone = fns.take(ex)
+        if gone:  # work no free executor runs any more leaves the pool
+            dead = set(gone)
+            for t in list(by_tenant):
+                kept = [n for n in by_tenant[t] if n.fn not in dead]
+                if len(kept) != len(by_tenant[t]):
+                    extremes.pop(t, None)
+                    best_of.pop(t, None)
+                    if kept:
+                        by_tenant[t] = kept
+                    else:
+                        del by_tenant[t]
     return Decision(out, lifts)
+
+
+def _first(pair: tuple) -> tuple:
+    return pair[0]
+
+
+def _drop(by_tenant: dict, extremes: dict, best_of: dict, node: ReadyNode) -> None:
+    """Take ``node`` out of its tenant's list; that tenant's cached extremes and best go stale."""
+    nodes = by_tenant[node.tenant]
+    nodes.remove(node)
+    extremes.pop(node.tenant, None)
+    best_of.pop(node.tenant, None)
+    if not nodes:
+        del by_tenant[node.tenant]
 
 
 def vtc(snapshot: Snapshot) -> Decision:

@@ -13,6 +13,7 @@ from libs.protocol.ids import AttemptRef
 from libs.protocol.messages import ImageRef, ImageRequest
 from libs.protocol.tensor_meta import TensorMeta
 from libs.workflow.dag import Dag, TensorSource
+from services.scheduler.effects import PersistRequest
 from services.scheduler.lifecycle import NodeTable
 
 
@@ -37,6 +38,8 @@ class RequestRun:
     job_s: float = 0.0  # estimated total work of the request
     reruns: int = 0  # completed nodes run again after an executor was lost (lineage.py)
     rerun_s: float = 0.0  # measured GPU time of those runs: the platform's, not charged to the tenant
+    # node id -> (its inputs' metadata objects, their shape key): ``seen.input_shapes``'s cache
+    shape_keys: dict[str, tuple[tuple, str]] = field(default_factory=dict)
 
     @property
     def request_id(self) -> str:
@@ -49,3 +52,28 @@ class RequestRun:
 
 def metas_of(meta: TensorMeta | list[TensorMeta]) -> list[TensorMeta]:
     return meta if isinstance(meta, list) else [meta]
+
+
+def persist(
+    run: RequestRun,
+    status: str,
+    tensors: dict[str, TensorMeta] | None = None,
+    drop_tensors: bool = False,
+    **extra: str,
+) -> PersistRequest:
+    """The request state the shell writes to Redis (``outbox.py``: only what changed, per batch)."""
+    fields: dict[str, str | int | float] = {
+        "status": status,
+        "tenant": run.req.tenant,
+        "workflow": run.req.workflow,
+        "attempt": run.attempt,
+        "nodes_total": len(run.dag.nodes),
+        "nodes_done": run.nodes.done,
+        "bytes_moved": run.bytes_moved,
+        "gpu_s": round(run.gpu_s, 6),
+        "rerun_s": round(run.rerun_s, 6),
+        "executors": ",".join(sorted(run.executors)),
+        "callbacks_forwarded": run.callbacks_forwarded,
+        **{k: v for k, v in extra.items() if v},
+    }
+    return PersistRequest(run.request_id, fields, tensors or {}, drop_tensors)

@@ -24,12 +24,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
 
 import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig
@@ -48,9 +46,7 @@ from libs.protocol.messages import (
     LiveAttempts,
     NodeComplete,
     NodeFailed,
-    ReleaseRequest,
     RequestResult,
-    ack_decoder,
     encode,
     sched_decoder,
 )
@@ -59,21 +55,18 @@ from libs.workflow.dag import Dag
 from services.scheduler.admission import rank_for
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.core import SchedulerCore
+from services.scheduler.dispatcher import Dispatcher
 from services.scheduler.effects import (
-    ChargeVTime,
     Effect,
     Finished,
-    PersistRequest,
-    ReleaseAttempt,
-    SendCallback,
-    SendCancel,
     SendDispatch,
 )
 from services.scheduler.intake import Intake
 from services.scheduler.lease import Lease, LeaseLost
+from services.scheduler.outbox import Flushed, Outbox
 from services.scheduler.retrying import Backoff, is_transient, retry_transient
 from services.scheduler.views import live_attempts
-from services.scheduler.vtime_store import StaleEpoch, VTimeStore
+from services.scheduler.vtime_store import VTimeStore
 
 log = logging.getLogger(__name__)
 
@@ -86,13 +79,6 @@ class _NodeEvent(msgspec.Struct):
     request_id: str = ""
     attempt: int = 0
     node_id: str = ""
-
-
-@dataclass(frozen=True)
-class _Flushed:
-    """A marker in the effects queue: ``event`` is set when everything queued before it was done."""
-
-    event: asyncio.Event
 
 
 class SchedulerService:
@@ -128,7 +114,10 @@ class SchedulerService:
             finish=self._finish_soon,
             admit=self._admit,
         )
-        self._io: asyncio.Queue[Effect] = asyncio.Queue(maxsize=100_000)
+        self.outbox = Outbox(self)
+        self.dispatcher = Dispatcher(self)
+        self._io = self.outbox.queue
+        self._schedule_due = False  # a scheduling round is queued for this loop iteration
         self._tasks: set[asyncio.Task] = set()
         self._finishing: set[asyncio.Task] = set()  # results being published, acked and stored
         self._subs: list = []
@@ -204,6 +193,7 @@ class SchedulerService:
             stream=self.subjects.intake_stream,
             config=consumer,
         )
+        await self.dispatcher.start()
         # Each executor publishes on its own events subject; ``_on_event`` holds it to that.
         self._subs.append(await self.nc.subscribe(self.subjects.sched_events, cb=self._on_event))
         log.info("scheduler ready (namespace %s)", self.subjects.ns)
@@ -211,7 +201,12 @@ class SchedulerService:
     async def run(self) -> None:
         """The long-lived loops; the service stops if any of them ends."""
         await run_all(
-            self.lease_loop(), self.intake_loop(), self.io_loop(), self.tick_loop(), self.progress_loop()
+            self.lease_loop(),
+            self.intake_loop(),
+            self.io_loop(),
+            self.dispatcher.run(),
+            self.tick_loop(),
+            self.progress_loop(),
         )
 
     async def lease_loop(self) -> None:
@@ -326,10 +321,22 @@ class SchedulerService:
     def _admit(self, req: ImageRequest, dag: Dag, attempt: int, deadline: float) -> None:
         now = time.monotonic()
         self._apply(self.core.add_request(req, dag, attempt=attempt, now=now, deadline=deadline))
+        self._schedule_soon()
+
+    def _schedule_soon(self) -> None:
+        """Run one scheduling round once the events at hand are taken in (coalesced: events that
+        arrive together — completions, answers, heartbeats, admissions — share one round instead
+        of a snapshot and a policy call each; docs/scheduling.md, "Control-plane speed")."""
+        if not self._schedule_due:
+            self._schedule_due = True
+            asyncio.get_running_loop().call_soon(self._schedule_now)
+
+    def _schedule_now(self) -> None:
+        self._schedule_due = False
         try:
-            self._apply(self.core.schedule(now))
-        except Exception:  # noqa: BLE001 - a core bug: the request is in; the next tick schedules it
-            log.exception("scheduling after taking %s in failed", req.request_id)
+            self._apply(self.core.schedule(time.monotonic()))
+        except Exception:  # noqa: BLE001 - a core bug: logged; the next event or tick tries again
+            log.exception("scheduling round failed")
 
     # -- events ---------------------------------------------------------------------------------------
     async def _on_event(self, msg: Msg) -> None:
@@ -355,7 +362,8 @@ class SchedulerService:
                     effects = self.core.on_failed(ev, now)
                 case ExecutorGoodbye(executor=ex):
                     effects = self.core.remove_executor(ex, now, "said goodbye")
-            self._apply(effects + self.core.schedule(now))
+            self._apply(effects)
+            self._schedule_soon()
         except Exception:  # noqa: BLE001 - one bad event (or a core bug) is logged; the loop lives on
             log.exception("handling %s failed", type(ev).__name__)
 
@@ -383,7 +391,8 @@ class SchedulerService:
             return
         now = time.monotonic()
         try:
-            self._apply(self.core.reject_completion(node, ev.executor, now, str(e)) + self.core.schedule(now))
+            self._apply(self.core.reject_completion(node, ev.executor, now, str(e)))
+            self._schedule_soon()
         except Exception:  # noqa: BLE001 - a core bug: logged, the loop lives on
             log.exception("handling the bad completion of %s failed", node)
 
@@ -393,87 +402,35 @@ class SchedulerService:
             return
         for e in effects:
             if isinstance(e, SendDispatch):
-                self._spawn(self._send_dispatch(e))
+                self.dispatcher.send(e)
             elif isinstance(e, Finished):  # at once: a Redis outage must not hold the answer up
                 flushed = asyncio.Event()  # set once the effects queued before it were carried out
-                self._io.put_nowait(_Flushed(flushed))
+                self._io.put_nowait(Flushed(flushed))
                 self._finish_soon(
                     e.result, e.tenant, self.intake.handles.pop(e.result.request_id, None), flushed
                 )
             else:
                 self._io.put_nowait(e)  # in order: a callback's metadata follows its dispatch
 
-    async def _send_dispatch(self, e: SendDispatch) -> None:
-        node = e.msg.ref
+    def on_dispatch_answer(self, node: NodeRef, executor: str, ok: bool, seq: int, error: str) -> None:
+        """An executor answered a dispatch, or did not in time (``dispatcher.py``)."""
         if not self.leading:
             return
-        msg = msgspec.structs.replace(e.msg, epoch=self.epoch)
-        try:
-            reply = await self.nc.request(
-                self.subjects.executor(e.executor), encode(msg), timeout=self.cfg.dispatch_timeout_s
-            )
-            ack = ack_decoder.decode(reply.data)
-            ok, seq, error = ack.ok, ack.seq, ack.error
-        except (NoRespondersError, NatsTimeoutError, TimeoutError) as ex:
-            ok, seq, error = False, 0, f"no answer ({type(ex).__name__})"
-        except msgspec.DecodeError as ex:
-            ok, seq, error = False, 0, f"malformed ack: {ex}"
         if not ok and error == STALE_EPOCH:
-            self.step_down(f"executor {e.executor} refused dispatch {node}: a newer scheduler has led it")
+            self.step_down(f"executor {executor} refused dispatch {node}: a newer scheduler has led it")
             return
         now = time.monotonic()
         try:
-            effects = self.core.dispatch_result(node, e.executor, ok=ok, seq=seq, error=error, now=now)
-            effects += self.core.schedule(now)
+            effects = self.core.dispatch_result(node, executor, ok=ok, seq=seq, error=error, now=now)
         except Exception:  # noqa: BLE001 - e.g. an IllegalTransition (a core bug): log, keep serving
             log.exception("handling the answer to dispatch %s failed", node)
             return
         self._apply(effects)
+        if not ok:  # an accepted dispatch frees nothing: only a refused one needs a new round
+            self._schedule_soon()
 
     async def io_loop(self) -> None:
-        while True:
-            e = await self._io.get()
-            if isinstance(e, _Flushed):  # even when not leading: nothing waits on it for ever
-                e.event.set()
-                continue
-            if not self.leading:
-                continue
-            try:
-                match e:
-                    case ChargeVTime():
-                        await self.vtimes.apply(e)
-                    case PersistRequest():
-                        await self._persist(e)
-                    case SendCallback(executor=ex, msg=ready):
-                        await self.nc.publish(self.subjects.executor(ex), encode(ready))
-                    case SendCancel(executor=ex, msg=cancel):
-                        cancel = msgspec.structs.replace(cancel, epoch=self.epoch)
-                        await self.nc.publish(self.subjects.executor(ex), encode(cancel))
-                    case ReleaseAttempt(attempt=ref):
-                        release = ReleaseRequest(ref.request_id, ref.attempt, epoch=self.epoch)
-                        await self.nc.publish(self.subjects.executors_all, encode(release))
-                    case _:
-                        log.error("no handler for effect %r", e)  # a bug: every effect must be handled
-            except StaleEpoch as ex:
-                self.step_down(str(ex))
-            except Exception as ex:  # noqa: BLE001
-                if is_transient(ex):  # Redis or NATS briefly away: the in-memory state stays right
-                    log.warning("carrying out %s failed: %s: %s", type(e).__name__, type(ex).__name__, ex)
-                else:
-                    log.exception("carrying out %s failed", type(e).__name__)
-
-    async def _persist(self, e: PersistRequest) -> None:
-        key = self.keys.request(e.request_id)
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.hset(key, mapping={**e.fields, "updated_at": time.time()})
-        pipe.expire(key, self.cfg.request_ttl_s)
-        tkey = self.keys.tensors(e.request_id)
-        if e.tensors:
-            pipe.hset(tkey, mapping={tid: msgspec.json.encode(m) for tid, m in e.tensors.items()})
-            pipe.expire(tkey, self.cfg.request_ttl_s)
-        if e.drop_tensors:
-            pipe.delete(tkey)
-        await pipe.execute()
+        await self.outbox.run()
 
     def _spawn(self, coro, tasks: set[asyncio.Task] | None = None) -> None:
         into = self._tasks if tasks is None else tasks

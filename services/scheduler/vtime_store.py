@@ -1,4 +1,6 @@
-"""Tenant counters in Redis, updated atomically by one Lua script per change (paper §6).
+"""Tenant counters in Redis, updated atomically by a Lua script (paper §6): one call per change
+(:meth:`VTimeStore.apply`) or per batch of changes (:meth:`VTimeStore.apply_many`, what the
+scheduler's shell uses: one call per tick).
 
 A scheduler restart reads them back (:meth:`VTimeStore.load`), so vTime survives it. Redis converts
 a Lua number in a script's reply to an integer (truncating it), so the script formats floats with
@@ -60,6 +62,35 @@ return {vs, os, ss}
 """
 
 
+# Many changes in one call (one per scheduler tick: ``apply_many``), fenced once. KEYS as above;
+# ARGV: the writer's epoch, the window hash's TTL in s (or ''), then six per change: tenant, delta,
+# set vtime|'', ops delta, op floor|'', service delta. Applied in order, as one ``_CHARGE`` each.
+_CHARGE_MANY = """
+local e = tonumber(redis.call('GET', KEYS[4]) or '0')
+if tonumber(ARGV[1]) < e then return {'stale', tostring(e)} end
+for b = 3, #ARGV, 6 do
+  local t = ARGV[b]
+  local v = tonumber(redis.call('HGET', KEYS[1], t) or '0')
+  if ARGV[b + 2] ~= '' then v = tonumber(ARGV[b + 2]) end
+  v = v + tonumber(ARGV[b + 1])
+  redis.call('HSET', KEYS[1], t, string.format('%.17g', v))
+  local o = tonumber(redis.call('HGET', KEYS[2], t) or '0')
+  if ARGV[b + 4] ~= '' then o = math.max(o, tonumber(ARGV[b + 4])) end
+  o = o + tonumber(ARGV[b + 3])
+  redis.call('HSET', KEYS[2], t, string.format('%d', o))
+  local sd = tonumber(ARGV[b + 5])
+  local s = tonumber(redis.call('HGET', KEYS[3], t) or '0') + sd
+  redis.call('HSET', KEYS[3], t, string.format('%.17g', s))
+  if KEYS[5] and sd ~= 0 then
+    local w = tonumber(redis.call('HGET', KEYS[5], t) or '0') + sd
+    redis.call('HSET', KEYS[5], t, string.format('%.17g', w))
+    redis.call('EXPIRE', KEYS[5], ARGV[2])
+  end
+end
+return {'ok', tostring((#ARGV - 2) / 6)}
+"""
+
+
 class StaleEpoch(RuntimeError):
     """A write refused: another scheduler has taken the lease since this one's epoch."""
 
@@ -70,6 +101,7 @@ class VTimeStore:
         self.keys = keys
         self.epoch = epoch  # the writer's fencing token (the scheduler sets it on taking the lease)
         self._charge = redis.register_script(_CHARGE)
+        self._charge_many = redis.register_script(_CHARGE_MANY)
         self.window_refresh_s = 5.0  # how often the quota window's length is read again
         self._window_s = 0
         self._window_read_at = -float("inf")  # monotonic
@@ -124,6 +156,32 @@ class VTimeStore:
             raise StaleEpoch(f"vTime write refused: epoch {self.epoch} < {current}")
         v, o, s = reply
         return float(v), int(o), float(s)
+
+    async def apply_many(self, changes: list[ChargeVTime]) -> None:
+        """Apply ``changes`` in order in one atomic script call (a tick's worth: the scheduler's
+        shell batches them); raises :class:`StaleEpoch` (nothing changed) when a later scheduler
+        holds the lease. Leaves what as many :meth:`apply` calls would."""
+        if not changes:
+            return
+        keys = [self.keys.vtime, self.keys.ops, self.keys.service, self.keys.scheduler_epoch]
+        ttl = ""
+        if any(c.service_s for c in changes) and (window := await self.window_s()) > 0:
+            keys.append(self.keys.gpu_window(window, int(time.time() // window)))
+            ttl = str(2 * window)
+        args: list[str] = [str(int(self.epoch)), ttl]
+        for c in changes:
+            args += [
+                c.tenant,
+                repr(float(c.delta)),
+                "" if c.set_vtime is None else repr(float(c.set_vtime)),
+                str(int(c.ops)),
+                "" if c.op_floor is None else str(int(c.op_floor)),
+                repr(float(c.service_s)),
+            ]
+        reply = await self._charge_many(keys=keys, args=args)
+        if reply[0] in (b"stale", "stale"):
+            current = reply[1].decode() if isinstance(reply[1], bytes) else reply[1]
+            raise StaleEpoch(f"vTime write refused: epoch {self.epoch} < {current}")
 
     async def load(self) -> tuple[dict[str, float], dict[str, int], dict[str, float]]:
         vt = await self.redis.hgetall(self.keys.vtime)

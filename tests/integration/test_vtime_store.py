@@ -84,3 +84,45 @@ async def test_a_malformed_window_counts_nothing_and_the_window_is_cached(store)
     assert await store.window_s() == 0  # read less often than every charge
     store.window_refresh_s = 0.0
     assert await store.window_s() == 600
+
+
+CHANGES = [
+    ChargeVTime("a", delta=0.25, ops=1),  # an estimate at dispatch
+    ChargeVTime("b", set_vtime=3.0),  # a lift
+    ChargeVTime("a", delta=-0.05, service_s=0.2),  # a correction on completion
+    ChargeVTime("b", delta=1.0 / 3.0, ops=1),
+    ChargeVTime("c", op_floor=7),  # a VTC lift
+    ChargeVTime("b", delta=-0.1, ops=-1),  # a refund
+    ChargeVTime("c", delta=0.7, ops=1, service_s=0.7),
+]
+
+
+async def counters(store: VTimeStore) -> tuple[dict, dict, dict, dict]:
+    key = store.keys.gpu_window(600, int(time.time() // 600))
+    hashes = (store.keys.vtime, store.keys.ops, store.keys.service, key)
+    return tuple([await store.redis.hgetall(h) for h in hashes])  # type: ignore[return-value]
+
+
+async def test_a_batch_leaves_exactly_what_one_call_per_change_leaves(store):
+    """``apply_many`` (the shell's one script call per tick) against ``apply`` per change."""
+    await store.redis.set(store.keys.quota_window, "600")
+    for c in CHANGES:
+        await store.apply(c)
+    one_by_one = await counters(store)
+    for key in (store.keys.vtime, store.keys.ops, store.keys.service):
+        await store.redis.delete(key)
+    await store.redis.delete(store.keys.gpu_window(600, int(time.time() // 600)))
+    await store.apply_many(CHANGES)
+    assert await counters(store) == one_by_one
+    assert one_by_one[0][b"b"] == repr(3.0 + 1.0 / 3.0 - 0.1).encode()  # exact (%.17g)
+
+
+async def test_a_stale_batch_changes_nothing(store):
+    await store.redis.set(store.keys.scheduler_epoch, "5")
+    store.epoch = 4
+    with pytest.raises(StaleEpoch):
+        await store.apply_many(CHANGES)
+    assert await store.redis.hgetall(store.keys.vtime) == {}
+    store.epoch = 5
+    await store.apply_many(CHANGES[:1])
+    assert await store.redis.hget(store.keys.vtime, "a") == b"0.25"

@@ -119,7 +119,9 @@ def test_a_load_without_a_fraction_is_a_whole_load_and_a_bad_fraction_is_not_lea
         ([2, 4, -50, 100], None),
         ([5, 4, 50, 100], None),  # more resident than total
         ([2, 4, 150, 100], None),
-        ([2, 4, 0, 0], None),  # total 0
+        ([2, 4, 0, 0], None),  # no bytes, yet only some layers resident
+        ([1, 1, 0, 0], 1.0),  # a model without weights (a noise sampler): whole
+        ([0, 1, 0, 0], None),
         ([0, 0, 50, 100], None),
         ([True, 4, 50, 100], None),
         ([2.0, 4, 50, 100], None),

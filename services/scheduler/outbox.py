@@ -1,0 +1,181 @@
+"""Carrying out the scheduler core's effects, in batches (the shell's output side).
+
+Everything queued when the loop wakes up goes out together: NATS messages are written one after
+another (nats-py buffers them and its flusher sends them in one write), the request state of the
+whole batch goes to Redis in one pipeline and its vTime changes in one fenced script call
+(``VTimeStore.apply_many``), and a :class:`Flushed` marker is set once everything queued before it
+has been carried out (a finished request's result waits on it: ``service.py``). The core stays
+I/O-free; only this module batches (docs/scheduling.md, "Control-plane speed").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from libs.protocol.messages import ReleaseRequest, encode
+from libs.protocol.tensor_meta import TensorMeta
+from services.scheduler.effects import (
+    ChargeVTime,
+    Effect,
+    PersistRequest,
+    ReleaseAttempt,
+    SendCallback,
+    SendCancel,
+)
+from services.scheduler.retrying import is_transient
+from services.scheduler.vtime_store import StaleEpoch
+
+if TYPE_CHECKING:
+    from services.scheduler.service import SchedulerService
+
+log = logging.getLogger(__name__)
+
+_ENDED = ("succeeded", "failed")
+
+
+@dataclass(frozen=True)
+class Flushed:
+    """A marker in the effects queue: ``event`` is set when everything queued before it was done."""
+
+    event: asyncio.Event
+
+
+class Outbox:
+    def __init__(self, svc: SchedulerService) -> None:
+        self.svc = svc
+        self.queue: asyncio.Queue[Effect | Flushed] = asyncio.Queue(maxsize=100_000)
+        # Request id -> the state fields this scheduler last wrote for it (until the request ends).
+        self._written: dict[str, dict[str, str | int | float]] = {}
+        self._tensors_ttl: set[str] = set()  # requests whose tensor metadata key has its TTL set
+
+    async def run(self) -> None:
+        """Carry out the queued effects in order, a batch at a time: everything queued when the
+        loop wakes up goes out together — NATS messages written at once, request state and vTime
+        changes in one Redis pipeline (one fenced script call for all the batch's changes) — and a
+        ``Flushed`` marker is set once what was queued before it has been carried out."""
+        while True:
+            batch = [await self.queue.get()]
+            while not self.queue.empty() and len(batch) < 5000:
+                batch.append(self.queue.get_nowait())
+            await self._carry_out(batch)
+
+    async def _carry_out(self, batch: list[Effect | Flushed]) -> None:
+        charges: list[ChargeVTime] = []
+        persists: list[PersistRequest] = []
+        markers: list[asyncio.Event] = []
+        for e in batch:
+            if isinstance(e, Flushed):  # even when not leading: nothing waits on it for ever
+                markers.append(e.event)
+                continue
+            if not self.svc.leading:
+                continue
+            try:
+                match e:
+                    case ChargeVTime():
+                        charges.append(e)
+                    case PersistRequest():
+                        persists.append(e)
+                    case SendCallback(executor=ex, msg=ready):
+                        await self.svc.nc.publish(self.svc.subjects.executor(ex), encode(ready))
+                    case SendCancel(executor=ex, msg=cancel):
+                        cancel = msgspec.structs.replace(cancel, epoch=self.svc.epoch)
+                        await self.svc.nc.publish(self.svc.subjects.executor(ex), encode(cancel))
+                    case ReleaseAttempt(attempt=ref):
+                        release = ReleaseRequest(ref.request_id, ref.attempt, epoch=self.svc.epoch)
+                        await self.svc.nc.publish(self.svc.subjects.executors_all, encode(release))
+                    case _:
+                        log.error("no handler for effect %r", e)  # a bug: every effect must be handled
+            except Exception as ex:  # noqa: BLE001
+                self._io_failed(type(e).__name__, ex)
+        if self.svc.leading and (charges or persists):
+            await self._write_state(charges, persists)
+        for event in markers:
+            event.set()
+
+    async def _write_state(self, charges: list[ChargeVTime], persists: list[PersistRequest]) -> None:
+        """Request state (one pipeline) and the vTime changes (one script call), concurrently:
+        they touch different keys, and each keeps its own order."""
+        jobs = []
+        if persists:
+            jobs.append(self._persist_many(persists))
+        if charges:
+            jobs.append(self.svc.vtimes.apply_many(charges))
+        for what, res in zip(
+            ["request state"] * bool(persists) + ["vTime"] * bool(charges),
+            await asyncio.gather(*jobs, return_exceptions=True),
+            strict=True,
+        ):
+            if isinstance(res, StaleEpoch):
+                self.svc.step_down(str(res))
+            elif isinstance(res, BaseException):
+                self._io_failed(what, res)
+
+    def _io_failed(self, what: str, ex: BaseException) -> None:
+        if is_transient(ex):  # Redis or NATS briefly away: the in-memory state stays right
+            log.warning("carrying out %s failed: %s: %s", what, type(ex).__name__, ex)
+        else:
+            log.error("carrying out %s failed", what, exc_info=ex)
+
+    async def _persist(self, e: PersistRequest) -> None:
+        await self._persist_many([e])
+
+    async def _persist_many(self, batch: list[PersistRequest]) -> None:
+        """The batch's request state, coalesced per request (the fields as the last of its effects
+        left them, tensor metadata dropped and added in order), and only the fields that changed
+        since this scheduler last wrote them: a completion usually changes 4 of 12. The first write
+        of a request (status ``queued``: taken in or restarted), its end, and any write after a
+        failed one write every field again."""
+        merged: dict[str, tuple[dict, dict[str, TensorMeta], list[bool]]] = {}
+        for e in batch:
+            m = merged.get(e.request_id)
+            if m is None:
+                m = merged[e.request_id] = ({}, {}, [False])
+            if e.fields.get("status") == "queued":
+                self._written.pop(e.request_id, None)  # taken in or restarted: write it all
+            m[0].update(e.fields)
+            if e.drop_tensors:  # dropped first, then the effect's own tensors (if any) added
+                m[1].clear()
+                m[2][0] = True
+            m[1].update(e.tensors)
+        pipe = self.svc.redis.pipeline(transaction=False)
+        ttl = self.svc.cfg.request_ttl_s
+        stamp = time.time()
+        for rid, (fields, tensors, drop) in merged.items():
+            key = self.svc.keys.request(rid)
+            last = self._written.get(rid)
+            ending = fields.get("status") in _ENDED
+            if last is None or ending:
+                pipe.hset(key, mapping={**fields, "updated_at": stamp})
+                pipe.expire(key, ttl)
+            else:
+                changed = {k: v for k, v in fields.items() if last.get(k) != v}
+                pipe.hset(key, mapping={**changed, "updated_at": stamp})
+            if ending:
+                self._written.pop(rid, None)
+                self._tensors_ttl.discard(rid)
+            elif last is None:
+                self._written[rid] = fields
+            else:
+                last.update(fields)
+            tkey = self.svc.keys.tensors(rid)
+            if drop[0]:
+                pipe.delete(tkey)
+                self._tensors_ttl.discard(rid)
+            if tensors:
+                pipe.hset(tkey, mapping={tid: msgspec.json.encode(m) for tid, m in tensors.items()})
+                if rid not in self._tensors_ttl:  # once per key: it lives as long as the request's
+                    pipe.expire(tkey, ttl)
+                    self._tensors_ttl.add(rid)
+        try:
+            await pipe.execute()
+        except BaseException:
+            for rid in merged:  # unknown what reached Redis: write these in full next time
+                self._written.pop(rid, None)
+                self._tensors_ttl.discard(rid)
+            raise
