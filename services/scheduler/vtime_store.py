@@ -140,16 +140,7 @@ class VTimeStore:
             extra.append(str(2 * window))
         reply = await self._charge(
             keys=keys,
-            args=[
-                c.tenant,
-                repr(float(c.delta)),
-                "" if c.set_vtime is None else repr(float(c.set_vtime)),
-                str(int(c.ops)),
-                "" if c.op_floor is None else str(int(c.op_floor)),
-                repr(float(c.service_s)),
-                str(int(self.epoch)),
-                *extra,
-            ],
+            args=[*_charge_args(c), str(int(self.epoch)), *extra],
         )
         if reply[0] in (b"stale", "stale"):
             current = reply[1].decode() if isinstance(reply[1], bytes) else reply[1]
@@ -170,14 +161,7 @@ class VTimeStore:
             ttl = str(2 * window)
         args: list[str] = [str(int(self.epoch)), ttl]
         for c in changes:
-            args += [
-                c.tenant,
-                repr(float(c.delta)),
-                "" if c.set_vtime is None else repr(float(c.set_vtime)),
-                str(int(c.ops)),
-                "" if c.op_floor is None else str(int(c.op_floor)),
-                repr(float(c.service_s)),
-            ]
+            args += _charge_args(c)
         reply = await self._charge_many(keys=keys, args=args)
         if reply[0] in (b"stale", "stale"):
             current = reply[1].decode() if isinstance(reply[1], bytes) else reply[1]
@@ -192,3 +176,15 @@ class VTimeStore:
             {k.decode(): int(v) for k, v in ops.items()},
             {k.decode(): float(v) for k, v in svc.items()},
         )
+
+
+def _charge_args(c: ChargeVTime) -> list[str]:
+    """One change as the scripts read it: tenant, delta, set_vtime, ops, op_floor, service_s."""
+    return [
+        c.tenant,
+        repr(float(c.delta)),
+        "" if c.set_vtime is None else repr(float(c.set_vtime)),
+        str(int(c.ops)),
+        "" if c.op_floor is None else str(int(c.op_floor)),
+        repr(float(c.service_s)),
+    ]
