@@ -20,9 +20,8 @@ import pytest
 from libs.launcher.stack import Stack
 from libs.sim.workflows import sim_workflow
 from libs.workflow.spec import encode_spec
-from tests.conftest import free_port
 from tests.support.http import generate
-from tests.support.stacks import started
+from tests.support.stacks import sim_stack, started
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -37,14 +36,8 @@ def call(stack: Stack, body: dict, key: str, timeout: float) -> tuple[int, dict]
 @pytest.fixture
 def stack(broker_urls, tmp_path):
     _, redis_url = broker_urls
-    s = Stack(
-        namespace="t" + uuid.uuid4().hex[:10],
-        log_dir=tmp_path / "logs",
-        model_root=tmp_path,
-        gateway_port=free_port(),
-        executors=0,
-        sim_executors=2,
-        sim_time_scale=1.0,
+    s = sim_stack(
+        tmp_path,
         redis_url=redis_url,
         secure=True,
         gateway_env={"T2I_GATEWAY_REQUEST_TIMEOUT_S": "20"},

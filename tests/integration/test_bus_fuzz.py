@@ -22,7 +22,6 @@ import asyncio
 import json
 import random
 import threading
-import uuid
 
 import msgspec
 import nats
@@ -36,9 +35,8 @@ from libs.protocol.subjects import REGISTRY_OPS, Subjects
 from libs.protocol.tensor_meta import TensorMeta
 from libs.sim.workflows import sim_workflow
 from libs.workflow.spec import encode_spec
-from tests.conftest import free_port
 from tests.support.http import generate
-from tests.support.stacks import started
+from tests.support.stacks import sim_stack, started
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -49,14 +47,8 @@ BIG = "9" * 5000
 @pytest.fixture
 def stack(broker_urls, tmp_path):
     nats_url, redis_url = broker_urls
-    s = Stack(
-        namespace="t" + uuid.uuid4().hex[:10],
-        log_dir=tmp_path / "logs",
-        model_root=tmp_path,
-        gateway_port=free_port(),
-        executors=0,
-        sim_executors=2,
-        sim_time_scale=1.0,
+    s = sim_stack(
+        tmp_path,
         nats_url=nats_url,
         redis_url=redis_url,
         extra_env={"T2I_EXECUTOR_ARENA_MB": "64"},

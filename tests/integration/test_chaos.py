@@ -39,9 +39,8 @@ from libs.launcher.stack import Stack
 from libs.protocol.keys import Keys
 from libs.sim.workflows import sim_workflow
 from libs.workflow.spec import encode_spec
-from tests.conftest import free_port
 from tests.support.http import generate
-from tests.support.stacks import started
+from tests.support.stacks import sim_stack, started
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -58,12 +57,8 @@ def call(stack: Stack, key: str, body: dict, idem: str, timeout: float) -> tuple
 @pytest.fixture
 def stack(broker_urls, tmp_path):
     _, redis_url = broker_urls
-    s = Stack(
-        namespace="t" + uuid.uuid4().hex[:10],
-        log_dir=tmp_path / "logs",
-        model_root=tmp_path,
-        gateway_port=free_port(),
-        executors=0,
+    s = sim_stack(
+        tmp_path,
         sim_executors=4,
         sim_time_scale=0.2,
         schedulers=2,

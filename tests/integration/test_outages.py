@@ -26,9 +26,8 @@ import pytest
 from libs.launcher.stack import Stack
 from libs.sim.workflows import sim_workflow
 from libs.workflow.spec import encode_spec
-from tests.conftest import free_port
 from tests.support.calls import Call, figures, start_call
-from tests.support.stacks import started
+from tests.support.stacks import sim_stack, started
 from tests.support.supervise import Supervisor
 
 pytestmark = pytest.mark.timeout(150)
@@ -42,14 +41,8 @@ REDIS_DOWN_S = 2.5
 
 
 def make_stack(tmp_path: Path, redis_url: str, **more: object) -> Stack:
-    return Stack(
-        namespace="t" + uuid.uuid4().hex[:10],
-        log_dir=tmp_path / "logs",
-        model_root=tmp_path,
-        gateway_port=free_port(),
-        executors=0,
-        sim_executors=2,
-        sim_time_scale=1.0,
+    return sim_stack(
+        tmp_path,
         api_keys=API_KEYS,
         redis_url=redis_url,
         secure=True,
