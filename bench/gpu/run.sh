@@ -5,6 +5,10 @@
 #   2. pytest -m "gpu or nvshmem" -q -rs tests/         -> $OUT/gpu-tests.xml (JUnit), $OUT/pytest.log
 #   3. bench/loading.py --device cuda --rounds 2 --size-mb 2048
 #                                                       -> $OUT/loading-cuda.json, $OUT/loading-cuda.log
+#   4. bench/scale.py --quick on the machine's cores (when nats-server and redis-server are found)
+#                                                       -> $OUT/scale.log, $OUT/scale.json
+# Python packages the machine lacks travel as wheels in ./.whl (installed with --no-index into
+# /tmp/site, nothing fetched); broker binaries may travel in ./.gpubin (put first on PATH).
 # and writes $OUT/summary.json: what ran, each exit code, what was missing. A failing step is
 # recorded, not fatal. Exit: 0 all that ran passed; 1 a step failed; 2 no Python with torch;
 # 3 torch sees no CUDA device (the GPU steps were skipped).
@@ -26,6 +30,14 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 PIP_NO_INDEX=1
 
 say() { echo "[gpu-check] $*"; }
+
+if [ -d "$REPO/.gpubin" ]; then
+    export PATH="$REPO/.gpubin:$PATH" LD_LIBRARY_PATH="$REPO/.gpubin${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
+if compgen -G "$REPO/.whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        "$REPO"/.whl/*.whl && export PYTHONPATH="$REPO:/tmp/site:$PYTHONPATH" && say "installed carried wheels into /tmp/site"
+fi
 left() { echo $((BUDGET_S - ($(date +%s) - START) - RESERVE_S)); }
 
 PY="" PY_NOTE="" CUDA="false" GPU_NAME="" NOTES=()
@@ -96,6 +108,21 @@ missing="$("$PY" -c 'import importlib.util as u
 print(" ".join(m for m in ("pytest", "diffusers", "safetensors", "numpy", "pytest_asyncio", "pytest_timeout") if u.find_spec(m) is None))' 2>&1)"
 [ -n "$missing" ] && { say "missing Python modules: $missing"; NOTES+=("missing modules: $missing"); }
 
+# -- the project's entry points (ModelFns are found through them): a venv has them from its
+# editable install; a bare Python gets a dist-info written from pyproject.toml under /tmp/site.
+if ! "$PY" -c 'import importlib.metadata as m, sys; sys.exit(0 if m.entry_points(group="serverless_t2i.modelfns") else 1)' 2>/dev/null; then
+    mkdir -p /tmp/site && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+    "$PY" - <<'PYEOF' && say "wrote the project's entry points under /tmp/site"
+import pathlib, tomllib
+p = tomllib.loads(pathlib.Path("pyproject.toml").read_text())["project"]
+d = pathlib.Path("/tmp/site") / f"{p['name'].replace('-', '_')}-{p['version']}.dist-info"
+d.mkdir(parents=True, exist_ok=True)
+(d / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {p['name']}\nVersion: {p['version']}\n")
+eps = "".join(f"[{g}]\n" + "".join(f"{k} = {v}\n" for k, v in e.items()) + "\n" for g, e in p.get("entry-points", {}).items())
+(d / "entry_points.txt").write_text(eps)
+PYEOF
+fi
+
 # -- 2. GPU tests ----------------------------------------------------------------------------------
 t=$(left); [ "$t" -gt "$PYTEST_MAX_S" ] && t=$PYTEST_MAX_S
 if [[ " $missing " == *" pytest "* ]]; then
@@ -133,6 +160,24 @@ else
         0) BENCH_STATUS="ok" ;; 124|137) BENCH_STATUS="timed out after ${t}s" ;; *) BENCH_STATUS="failed" ;;
     esac
     say "bench/loading.py: $BENCH_STATUS (rc $BENCH_RC, ${BENCH_S}s)"
+fi
+
+# -- 4. control plane at scale on this machine's cores (informational) ---------------------------
+t=$(left)
+SCALE_RC=null
+if ! command -v redis-server >/dev/null || ! command -v nats-server >/dev/null; then
+    say "bench/scale.py: skipped (nats-server or redis-server not found)"; NOTES+=("scale skipped: no brokers")
+elif [ "$t" -lt 120 ]; then
+    say "bench/scale.py: only ${t}s left, skipped"; NOTES+=("scale skipped: budget")
+else
+    "$PY" -m libs.launcher.brokers >"$OUT/brokers.log" 2>&1  # starts NATS/Redis where none answers
+    { redis-server --version; ldd "$(command -v redis-server)" | grep -i "not found"; tail -n 20 var/redis/*.log; } \
+        >>"$OUT/brokers.log" 2>&1
+    say "bench/scale.py --quick --sim-procs 8 (limit ${t}s, $(nproc) cores)"
+    timeout --kill-after=10 "$t" "$PY" bench/scale.py --quick --sim-procs 8 --via intake --out "$OUT" \
+        2>&1 | tee "$OUT/scale.log"
+    SCALE_RC=${PIPESTATUS[0]}
+    NOTES+=("scale rc ${SCALE_RC}")
 fi
 
 write_summary

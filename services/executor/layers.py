@@ -101,6 +101,12 @@ class VirtualModel:
                 seen.add(id(item))
                 self._add_component(item, loaded)
         self.comp_s = [0.0] * len(self.slots)
+        if self.device.type == "cuda":
+            # Until its first copy lands a layer points at device placeholders, not at the host
+            # staging buffer it was loaded into: ``model.device`` must name the device the ModelFn
+            # runs on (a ModelFn moves its inputs there before the forward's hooks bind the layers).
+            for i in range(len(self.slots)):
+                self.unbind(i)
 
     # -- the table ---------------------------------------------------------------------------------
     def _add_component(self, module: torch.nn.Module, loaded: Any) -> None:
