@@ -7,7 +7,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint bench install brokers models compose-check clean
+.PHONY: run test lint bench install brokers browser models compose-check clean
 
 # tests/plugins/t2i_example is a user ModelFn package, installed the way users ship theirs.
 $(STAMP): pyproject.toml tests/plugins/t2i_example/pyproject.toml
@@ -29,7 +29,15 @@ models: install
 run: install
 	$(BIN)/python -m libs.launcher
 
-test: install brokers
+# Headless Chromium for the web console's browser test (tests/e2e/test_console_browser.py), from
+# Debian's packages: playwright drives /usr/bin/chromium and downloads no browser. Where it cannot be
+# installed (not Debian, not root) the test is skipped and says why.
+browser:
+	@command -v chromium >/dev/null || command -v chromium-browser >/dev/null || \
+	  (apt-get update -qq && apt-get install -y -qq chromium) || \
+	  echo "make browser: could not install chromium (run as root on Debian/Ubuntu); the console's browser test will be skipped"
+
+test: install brokers browser
 	$(BIN)/python -m pytest
 
 lint: install
@@ -42,8 +50,10 @@ bench: install brokers
 	$(BIN)/python bench/fairness.py
 	$(BIN)/python bench/prefix.py
 
+# The compose file as `up` reads it, with one executor and with four (T2I_EXECUTORS, like --scale).
 compose-check: install
 	$(BIN)/docker-compose -f deploy/compose.yaml config --quiet
+	T2I_EXECUTORS=4 $(BIN)/docker-compose -f deploy/compose.yaml config --quiet
 
 clean:
 	rm -rf $(VENV) models var out

@@ -9,6 +9,7 @@ from nats.aio.client import Client
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
+from libs.common.logs import REQUEST_ID_HEADER, current_request_id
 from libs.errors import RetryableError, T2IError
 from libs.protocol.messages import (
     GetLora,
@@ -48,14 +49,20 @@ class RegistryClient:
         self._cache_size = cache_size
         self._latest: dict[str, int] = {}  # name -> the newest version seen (see ``get``)
 
-    async def _call(self, op: str, payload: bytes) -> RegistryReply:
+    async def _call(self, op: str, payload: bytes, request_id: str = "") -> RegistryReply:
+        # The request this lookup serves (given, or bound in the caller's log context) travels in a
+        # header, so the registry's log lines about it carry its id too (docs/observability.md).
+        rid = request_id or current_request_id()
+        headers = {REQUEST_ID_HEADER: rid} if rid else None
         try:
-            msg = await self.nc.request(self.subjects.registry(op), payload, timeout=self.timeout)
+            msg = await self.nc.request(
+                self.subjects.registry(op), payload, timeout=self.timeout, headers=headers
+            )
         except (NoRespondersError, NatsTimeoutError, TimeoutError) as e:
             raise RegistryUnavailable(f"registry did not answer {op!r}: {type(e).__name__}") from e
         return registry_reply_decoder.decode(msg.data)
 
-    async def get(self, name: str, version: int = 0) -> WorkflowSpec:
+    async def get(self, name: str, version: int = 0, request_id: str = "") -> WorkflowSpec:
         """A spec by name (latest) or by name and version. Versions are immutable: cached.
 
         While no registry answers, a lookup of the latest version is answered with the latest this
@@ -65,7 +72,7 @@ class RegistryClient:
             self._cache.move_to_end((name, version))
             return self._cache[(name, version)]
         try:
-            reply = await self._call("get", encode(GetWorkflow(name=name, version=version)))
+            reply = await self._call("get", encode(GetWorkflow(name=name, version=version)), request_id)
             if not reply.ok and reply.status != 404:
                 raise RegistryUnavailable(reply.error)
         except RegistryUnavailable as e:

@@ -29,6 +29,13 @@ class CommonSettings(msgspec.Struct, forbid_unknown_fields=True):
     redis_url: str = "redis://127.0.0.1:6379/0"
     namespace: str = "t2i"
     log_level: str = "INFO"
+    # Logs: "json" (one object per line) or "console"; "" picks json unless stderr is a terminal.
+    log_format: str = ""
+    # Where the scheduler, registry and executors serve ``/metrics`` (docs/observability.md):
+    # port 0 picks a free one (logged as ``metrics_url``), -1 serves none. The gateway serves its
+    # metrics on its own port.
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = 0
     nats_user: str = ""
     nats_password: str = ""
     nats_password_file: str = ""
@@ -39,6 +46,12 @@ class CommonSettings(msgspec.Struct, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         if not NAMESPACE.match(self.namespace):
             raise ValueError(f"namespace {self.namespace!r} must match {NAMESPACE.pattern}")
+        if self.log_format not in ("", "json", "console"):
+            raise ValueError(f"log_format must be json or console, not {self.log_format!r}")
+        if not -1 <= self.metrics_port <= 65535:
+            raise ValueError(
+                f"metrics_port must be a port number, 0 (any free port) or -1 (none), not {self.metrics_port}"
+            )
         nats_pw = _password(self.nats_password, self.nats_password_file, "T2I_NATS_PASSWORD")
         redis_pw = _password(self.redis_password, self.redis_password_file, "T2I_REDIS_PASSWORD")
         self.nats_url = with_userinfo(self.nats_url, self.nats_user, nats_pw)

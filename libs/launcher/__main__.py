@@ -85,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {out / 'sample.png'} in {time.monotonic() - t0:.2f}s")
         print("\nmake another image with:\n")
         print(curl_command(stack.url, args.out))
+        print(f"\nor open the web console: {stack.url}/console (API key {DEV_KEY})")
         if args.no_wait:
             return 0
         print("\nserving; Ctrl-C stops everything this command started")

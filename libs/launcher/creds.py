@@ -8,7 +8,8 @@
   allow lists from ``libs/protocol/subjects.py`` and what the services do with each subject;
   :meth:`Credentials.nats_authorization` renders them as a nats-server ``authorization`` block.
 - Redis: ACL users ``{ns}-gateway``, ``{ns}-registry``, ``{ns}-scheduler`` limited to their keys
-  and commands (:func:`redis_rules`); executors never touch Redis and get no user.
+  and commands (:func:`redis_rules`); ``{ns}-executor`` reaches only the GPU lease keys
+  (``{ns}:gpu:*``, libs/common/gpu_lease.py) and nothing else of Redis.
 
 ``python -m libs.launcher.creds compose --out DIR`` writes what ``deploy/compose.yaml`` mounts;
 ``python -m libs.launcher.creds bootstrap`` creates the streams as the admin user.
@@ -27,11 +28,12 @@ from pathlib import Path
 
 from libs.common.nats_conn import inbox_prefix
 from libs.common.settings import with_userinfo
+from libs.protocol.adverts import advertise_subject, adverts_key
 from libs.protocol.keys import Keys
 from libs.protocol.subjects import Subjects
 
 ROLES = ("gateway", "registry", "scheduler", "executor")
-REDIS_ROLES = ("gateway", "registry", "scheduler")
+REDIS_ROLES = ("gateway", "registry", "scheduler", "executor")
 ADMIN = "admin"
 
 #: Harmless: PING, SELECT (redis-py selects a database other than 0 on connecting) and transactions
@@ -64,7 +66,7 @@ def nats_permissions(ns: str, role: str, user: str, executor_ids: Sequence[str] 
     ]
     if role == "gateway":
         return {
-            "publish": {"allow": [s.intake, f"{ns}.registry.*", intake_info, *images]},
+            "publish": {"allow": [s.intake, s.cancels, f"{ns}.registry.*", intake_info, *images]},
             "subscribe": {"allow": [s.result("*"), inbox]},
         }
     if role == "registry":  # answers requests (allow_responses), publishes nothing else
@@ -85,7 +87,7 @@ def nats_permissions(ns: str, role: str, user: str, executor_ids: Sequence[str] 
         ]
         return {
             "publish": {"allow": [s.result("*"), s.executor("*"), s.registry("get"), intake_info, *consumer]},
-            "subscribe": {"allow": [s.sched_events, inbox]},
+            "subscribe": {"allow": [s.sched_events, s.cancels, inbox]},
         }
     if role == "executor":
         # A process whose executor ids are known (the launcher's) receives and reports for those
@@ -98,7 +100,8 @@ def nats_permissions(ns: str, role: str, user: str, executor_ids: Sequence[str] 
             # Only ReleaseTensors to a producer go executor -> executor: Dispatch, CallbackReady,
             # ReleaseRequest and CancelNode on exec.<id> (and the broadcast exec.all) are the
             # scheduler's.
-            "publish": {"allow": [*events, s.executor_release("*"), *images]},
+            # ... and the ModelFns it can run, to the registry (libs/protocol/adverts.py).
+            "publish": {"allow": [*events, s.executor_release("*"), *images, advertise_subject(ns)]},
             "subscribe": {"allow": [*own, s.executors_all, inbox]},
             "allow_responses": True,  # the Ack to a Dispatch
         }
@@ -113,15 +116,23 @@ def redis_rules(ns: str, role: str) -> list[str] | None:
     extra: list[str] = []
     if role == "gateway":  # request state; the tenant counters read-only (GET /v1/admin/tenants)
         # ... and what its per-tenant limits read: the scheduler's backlog counts, GPU-s per window.
-        counters = (k.vtime, k.service, k.ops, k.tenants, k.backlog, k.gpu_window_pattern)
+        counters = (k.vtime, k.service, k.ops, k.tenants, k.backlog, k.gpu_window_pattern, k.executors_view)
         keys = [f"~{k.request('*')}", *(f"%R~{x}" for x in counters)]
         cmds = ["+hset", "+hget", "+hmget", "+hgetall", "+expire"]
-        # Its own records (services/gateway/records.py: generations, idempotency keys): a selector,
-        # so GET/SET/DEL reach those keys only.
-        extra = [f"(~{ns}:gw:* +get +set +del)"]
+        # Its own records (services/gateway/records.py: generations, idempotency keys, the recent
+        # calls' sorted sets; models.py: workflows' owners): a selector, so these commands reach
+        # those keys only.
+        # Cancels (services/gateway/bridge.py: flag, then tell the scheduler) and the progress
+        # streams it relays, read only.
+        extra = [
+            f"(~{ns}:gw:* +get +mget +set +del +expire +@sortedset)",
+            f"(~{k.cancels} +zadd +expire)",
+            f"(%R~{k.events('*')} +xread +xrange +xrevrange +xlen)",
+        ]
     elif role == "registry":  # specs (versioned by a Lua script) and LoRAs
-        keys = [f"~{k.workflow('*')}", f"~{k.loras}"]
-        cmds = ["+hset", "+hget", "+hgetall", *_REDIS_SCRIPTS]
+        # ... and the ModelFns executors advertise (HDEL: the expired ones).
+        keys = [f"~{k.workflow('*')}", f"~{k.loras}", f"~{adverts_key(ns)}"]
+        cmds = ["+hset", "+hget", "+hgetall", "+hdel", *_REDIS_SCRIPTS]
     elif role == "scheduler":  # request state, tensor metadata, tenant counters (a Lua script)
         lease = (k.scheduler_lease, k.scheduler_epoch)
         own = (k.request("*"), k.tensors("*"), k.vtime, k.ops, k.service, k.tenants, k.backlog)
@@ -134,8 +145,15 @@ def redis_rules(ns: str, role: str) -> list[str] | None:
         extra = [
             f"({' '.join(f'~{x}' for x in lease)} +set +get +incr +pexpire)",
             f"(%R~{k.quota_window} +get)",
+            # Progress streams, the executors view, and the cancels it polls and trims (control.py).
+            f"(~{k.events('*')} +xadd +expire)",
+            f"(~{k.executors_view} +hset +hdel +del)",
+            f"(~{k.cancels} +zrangebyscore +zrem +zremrangebyscore)",
         ]
-    elif role in ("executor", ADMIN):
+    elif role == "executor":  # the GPU lease only: SET NX PX, and its compare-and-act scripts
+        keys = [f"~{ns}:gpu:*"]
+        cmds = ["+set", "+get", "+pexpire", "+del", *_REDIS_SCRIPTS]
+    elif role == ADMIN:
         return None
     else:
         raise ValueError(f"unknown role {role!r}")

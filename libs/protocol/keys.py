@@ -5,7 +5,10 @@
 | ``{ns}:wf:index`` | hash | workflow name -> latest version |
 | ``{ns}:wf:{name}`` | hash | version -> spec JSON (immutable once written) |
 | ``{ns}:loras`` | hash | LoRA name -> JSON {name, path, description} |
-| ``{ns}:req:{request_id}`` | hash | request state: status, tenant, workflow, nodes done/total, result, error |
+| ``{ns}:req:{request_id}`` | hash | request state: status, tenant, workflow, nodes done/total, step/steps, gpu_s, result, error, cancel |
+| ``{ns}:events:{request_id}`` | stream | progress: one ``node`` entry per finished node, a last ``end`` entry (field ``data``: JSON; 1 h) |
+| ``{ns}:cancels`` | sorted set | request id -> unix time its cancel was asked (the scheduler polls it, and trims it) |
+| ``{ns}:executors`` | hash | executor id -> JSON operator view (kind, ModelFns, resident models, running, busy), refreshed each second |
 | ``{ns}:tensors:{request_id}`` | hash | tensor id -> TensorMeta JSON of live intermediate tensors |
 | ``{ns}:vtime`` | hash | tenant -> cumulative vTime (GPU seconds, estimates corrected, lifts) |
 | ``{ns}:ops`` | hash | tenant -> dispatched ModelFn executions (the VTC baseline's counter) |
@@ -41,6 +44,17 @@ class Keys:
 
     def request(self, request_id: str) -> str:
         return f"{self.ns}:req:{request_id}"
+
+    def events(self, request_id: str) -> str:
+        return f"{self.ns}:events:{request_id}"
+
+    @property
+    def cancels(self) -> str:
+        return f"{self.ns}:cancels"
+
+    @property
+    def executors_view(self) -> str:
+        return f"{self.ns}:executors"
 
     def tensors(self, request_id: str) -> str:
         return f"{self.ns}:tensors:{request_id}"

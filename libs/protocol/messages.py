@@ -296,17 +296,34 @@ SchedulerEvent = NodeComplete | NodeFailed | ExecutorHeartbeat | ExecutorGoodbye
 # -- scheduler -> gateway ------------------------------------------------------------------------
 class RequestResult(_Msg, tag="result"):
     request_id: str
-    status: Literal["succeeded", "failed"]
+    status: Literal["succeeded", "failed", "cancelled"]
     images: dict[str, ImageRef] = {}
     error: str = ""
-    error_code: str = ""  # "bad_params" | "workflow" | "timeout" | "internal"
-    nodes: int = 0
+    # "bad_params" | "workflow" | "timeout" | "internal" | "rate_limited" | "cancelled"
+    error_code: str = ""
+    nodes: int = 0  # nodes in the request's DAG
     executors: list[str] = []  # executors that ran nodes of this request
     bytes_moved: int = 0  # tensor bytes that crossed between executors
-    gpu_s: float = 0.0  # measured executor time charged to the request
+    # The vTime the tenant was charged for this image: the measured time of the nodes that ran
+    # (a cancelled request's nodes still running when it ended are not charged; nor is lineage
+    # re-execution after an executor was lost, which is the platform's loss).
+    gpu_s: float = 0.0
+    nodes_run: int = 0  # nodes of the answering attempt that completed
 
 
 ResultMsg = RequestResult
+
+
+# -- gateway -> scheduler: cancel (core NATS, backed by a Redis flag: docs/scheduling.md) --------
+class CancelRequest(_Msg, tag="cancel_request"):
+    """Stop an image request: a queued one is dropped, a running one dispatches nothing more and its
+    running nodes are cancelled; it ends with a ``cancelled`` result. The gateway also flags the
+    request in Redis (``cancel`` in ``{ns}:req:{id}``, and ``{ns}:cancels``), which is what makes the
+    cancel survive a lost message or a scheduler fail-over; this message only makes it immediate."""
+
+    request_id: str
+    tenant: str
+    reason: str = ""
 
 
 # -- registry (request/reply) ---------------------------------------------------------------------
@@ -378,6 +395,7 @@ executor_decoder = msgspec.json.Decoder(ExecutorMsg)
 peer_decoder = msgspec.json.Decoder(PeerMsg)
 sched_decoder = msgspec.json.Decoder(SchedulerEvent)
 result_decoder = msgspec.json.Decoder(ResultMsg)
+cancel_decoder = msgspec.json.Decoder(CancelRequest)
 registry_request_decoder = msgspec.json.Decoder(RegistryRequest)
 registry_reply_decoder = msgspec.json.Decoder(RegistryReply)
 ack_decoder = msgspec.json.Decoder(Ack)

@@ -13,6 +13,7 @@ server never see each other's traffic.
 | ``{ns}.exec.all`` | pub/sub | ``ReleaseRequest`` broadcast (request failed or restarted) |
 | ``{ns}.sched.events.{executor_id}`` | pub/sub | ``NodeComplete``, ``NodeFailed``, ``ExecutorHeartbeat``, ``ExecutorGoodbye`` of that executor; the scheduler subscribes to ``{ns}.sched.events.*`` and drops an event whose ``executor`` is not the subject's last token |
 | ``{ns}.results.{request_id}`` | pub/sub | ``RequestResult`` scheduler -> gateway |
+| ``{ns}.sched.cancel`` | pub/sub | ``CancelRequest`` gateway -> scheduler (a nudge: the Redis flag is what survives) |
 | ``{ns}-images`` | JetStream object store | PNGs (images exceed NATS' 1 MiB payload limit) |
 """
 
@@ -71,6 +72,11 @@ class Subjects:
         """The executor an events subject belongs to ("" when ``subject`` is not one)."""
         prefix = f"{self.ns}.sched.events."
         return subject[len(prefix) :] if subject.startswith(prefix) else ""
+
+    @property
+    def cancels(self) -> str:
+        """Where the gateway asks the leading scheduler to cancel an image request."""
+        return f"{self.ns}.sched.cancel"
 
     def result(self, request_id: str) -> str:
         return f"{self.ns}.results.{request_id}"

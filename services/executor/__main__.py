@@ -12,11 +12,14 @@ from pathlib import Path
 from libs.common.config import load_config
 from libs.common.jetstream import ensure_images_bucket
 from libs.common.logs import setup_logging
+from libs.common.metrics import ExecutorMetrics, serve_metrics
 from libs.common.nats_conn import connect
+from libs.common.redis_conn import connect_redis
 from libs.common.service import main, own
 from libs.common.settings import common_settings
 from libs.protocol.subjects import Subjects
 from libs.workflow import catalog
+from services.executor.advertise import Advertiser, WithCompanions
 from services.executor.config import ExecutorConfig
 from services.executor.service import ExecutorGroup, ExecutorService
 
@@ -41,7 +44,58 @@ def granularity(cfg: ExecutorConfig) -> str:
         raise SystemExit(f"T2I_EXECUTOR_CACHE_MODE: {e}") from None
 
 
-async def build(stack: AsyncExitStack) -> ExecutorGroup:
+async def claim_gpu(stack: AsyncExitStack, cfg: ExecutorConfig, executor_id: str):
+    """Claim this executor's GPU (``T2I_EXECUTOR_GPU_LEASE``) and point CUDA at it, before torch
+    starts; released when the process exits, after the executor stopped."""
+    from libs.common.gpu_lease import GpuLease, GpuLeaseError, visible_gpus
+
+    common = common_settings()
+    redis = connect_redis(common.redis_url, max_connections=2)
+    own(stack, redis.aclose, "redis")
+    try:
+        lease = GpuLease(
+            redis,
+            common.namespace,
+            visible_gpus(cfg.gpus),
+            scope=cfg.gpu_lease_scope,
+            owner=executor_id,
+            ttl_s=cfg.gpu_lease_ttl_s,
+            wait_s=cfg.gpu_lease_wait_s,
+        )
+        await lease.claim()
+        own(stack, lease.release, "gpu lease")
+        cfg.device = lease.apply(cfg.device)
+    except GpuLeaseError as e:
+        raise SystemExit(f"T2I_EXECUTOR_GPU_LEASE: {e}") from None
+    return lease
+
+
+def advertiser(nc, cfg: ExecutorConfig, namespace: str, executor_id: str) -> Advertiser:
+    return Advertiser(nc, namespace, executor_id, catalog.signatures(), ttl_s=cfg.advertise_ttl_s)
+
+
+def _library_logs_to_root() -> None:
+    """transformers and diffusers log through stderr handlers of their own, in plain text: hand
+    their records to the root handler instead, so they are JSON lines like every other."""
+    import importlib
+
+    for name in ("transformers.utils.logging", "diffusers.utils.logging"):
+        try:
+            lib = importlib.import_module(name)
+            lib.disable_default_handler()
+            lib.enable_propagation()
+        except (ImportError, AttributeError):  # not installed, or another API: their own format
+            pass
+
+
+async def _metrics(stack: AsyncExitStack, common) -> ExecutorMetrics:
+    """The process's metrics, served on ``T2I_METRICS_PORT`` (docs/observability.md)."""
+    metrics = ExecutorMetrics()
+    await serve_metrics(stack, metrics, host=common.metrics_host, port=common.metrics_port)
+    return metrics
+
+
+async def build(stack: AsyncExitStack) -> WithCompanions:
     cfg = load_config(ExecutorConfig, "T2I_EXECUTOR_")
     if cfg.mode == "sim":
         return await build_simulated(stack, cfg)
@@ -50,12 +104,15 @@ async def build(stack: AsyncExitStack) -> ExecutorGroup:
     raise SystemExit(f"T2I_EXECUTOR_MODE must be 'real' or 'sim', not {cfg.mode!r}")
 
 
-async def build_real(stack: AsyncExitStack, cfg: ExecutorConfig) -> ExecutorGroup:
+async def build_real(stack: AsyncExitStack, cfg: ExecutorConfig) -> WithCompanions:
     common = common_settings()
     executor_id = _safe_id(cfg.id or f"exec-{socket.gethostname()}-{os.getpid()}")
     setup_logging(f"executor[{executor_id}]", common.log_level)
     t0 = time.perf_counter()
+    lease = await claim_gpu(stack, cfg, executor_id) if cfg.gpu_lease else None
     import torch  # heavy: after logging is up, so the start-up cost is visible
+
+    _library_logs_to_root()
 
     from libs.dataplane.hosttier import HostTier
     from libs.dataplane.loader import Loader
@@ -117,6 +174,7 @@ async def build_real(stack: AsyncExitStack, cfg: ExecutorConfig) -> ExecutorGrou
         node_timeout_s=cfg.node_timeout_s,
         attempt_ttl_s=cfg.attempt_ttl_s,
         reconcile_grace_s=cfg.reconcile_grace_s,
+        metrics=await _metrics(stack, common),
     )
     ready = (
         f"executor ready in {time.perf_counter() - t0:.1f}s: {cfg.device}, {cfg.threads} threads, "
@@ -124,11 +182,13 @@ async def build_real(stack: AsyncExitStack, cfg: ExecutorConfig) -> ExecutorGrou
         + (f"host tier {tier.name!r} of {cfg.host_tier_mb} MiB" if tier is not None else "no host tier")
         + (f", weights budget {cfg.device_budget_mb} MiB" if cfg.device_budget_mb > 0 else "")
         + f", weights cached by {models.weights.policy.granularity}"
+        + (f", GPU {lease.gpu} leased" if lease is not None else "")
     )
-    return ExecutorGroup([service], ready)
+    companions = [advertiser(nc, cfg, common.namespace, executor_id), *([lease] if lease else [])]
+    return WithCompanions(ExecutorGroup([service], ready), companions)
 
 
-async def build_simulated(stack: AsyncExitStack, cfg: ExecutorConfig) -> ExecutorGroup:
+async def build_simulated(stack: AsyncExitStack, cfg: ExecutorConfig) -> WithCompanions:
     """``sim_count`` simulated executors in this process, on one NATS connection, without torch."""
     from libs.sim.profile import load_profile
     from services.executor.sim import SimRunner, SimStore
@@ -143,6 +203,7 @@ async def build_simulated(stack: AsyncExitStack, cfg: ExecutorConfig) -> Executo
     subjects = Subjects(common.namespace)
     images = await ensure_images_bucket(nc.jetstream(), subjects)
     members = []
+    metrics = await _metrics(stack, common)  # one endpoint for the process: labelled by executor
     for i in range(cfg.sim_count):
         eid = f"{base}-{i}" if cfg.sim_count > 1 else base
         store = SimStore(eid, _pow2_at_least(cfg.arena_mb << 20))
@@ -160,13 +221,14 @@ async def build_simulated(stack: AsyncExitStack, cfg: ExecutorConfig) -> Executo
                 node_timeout_s=cfg.node_timeout_s,
                 attempt_ttl_s=cfg.attempt_ttl_s,
                 reconcile_grace_s=cfg.reconcile_grace_s,
+                metrics=metrics,
             )
         )
     ready = (
         f"executor ready: {cfg.sim_count} simulated {profile.device} executors "
         f"(profile {profile.name}, time scale {cfg.sim_time_scale:g}, weights cached by {cache})"
     )
-    return ExecutorGroup(members, ready)
+    return WithCompanions(ExecutorGroup(members, ready), [advertiser(nc, cfg, common.namespace, base)])
 
 
 if __name__ == "__main__":

@@ -52,6 +52,18 @@ class ExecutorConfig(msgspec.Struct, forbid_unknown_fields=True):
     # Component dtype per model name (as in specs): "tiny-flux=bfloat16,*=float16"; "*" for every
     # other model; unset: as saved (the tiny CPU models stay fp32, bitwise equal to diffusers).
     dtypes: str = ""
+    # One GPU per executor on a shared box (docs/deploy.md, libs/common/gpu_lease.py): claim the
+    # lowest free GPU among the visible ones through a Redis lease (T2I_REDIS_* credentials) and
+    # set CUDA_VISIBLE_DEVICES to it. ``gpus``: a count or a comma list of ids (default: what
+    # CUDA_VISIBLE_DEVICES, nvidia-smi or /dev/nvidiaN show); ``gpu_lease_scope`` names the box
+    # (executors of several boxes sharing one Redis each need their own).
+    gpu_lease: bool = False
+    gpus: str = ""
+    gpu_lease_scope: str = "box"
+    gpu_lease_ttl_s: float = 30.0
+    gpu_lease_wait_s: float = 120.0  # how long to wait for a GPU when every one is leased
+    # How long the registry trusts this process's ModelFn advertisement (resent every third of it).
+    advertise_ttl_s: float = 300.0
     # Simulation: "sim" replays profiled times instead of computing (no torch needed).
     mode: str = "real"  # "real" | "sim"
     sim_count: int = 1  # simulated executors (GPUs) in this process

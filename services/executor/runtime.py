@@ -17,6 +17,7 @@ deliveries for the node are forgotten, and outputs already stored are discarded 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import inspect
 import io
@@ -398,7 +399,9 @@ class NodeRunner:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="node")
 
     async def run(self, d: Dispatch, blobs: dict[str, bytes] | None = None) -> NodeOutcome:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self.run_sync, d, blobs or {})
+        # In the caller's context: the node thread's log lines carry the request id it bound.
+        run = functools.partial(contextvars.copy_context().run, self.run_sync, d, blobs or {})
+        return await asyncio.get_running_loop().run_in_executor(self._pool, run)
 
     def resident(self) -> list[ModelKey]:
         return self.models.resident()

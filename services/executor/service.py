@@ -32,6 +32,8 @@ from nats.aio.msg import Msg
 from nats.js.api import ObjectMeta, ObjectMetaOptions
 from nats.js.object_store import ObjectStore
 
+from libs.common.logs import bind_request
+from libs.common.metrics import ExecutorMetrics
 from libs.common.retry import retry
 from libs.common.service import run_all
 from libs.protocol.ids import AttemptRef, ModelKey, NodeRef
@@ -117,7 +119,13 @@ class ExecutorService:
         node_timeout_s: float = 0.0,
         attempt_ttl_s: float = 0.0,
         reconcile_grace_s: float = 30.0,
+        metrics: ExecutorMetrics | None = None,
     ) -> None:
+        # Shared by a process's executors (the ``executor`` label tells them apart); a registry of
+        # its own otherwise, so executors built side by side in a test do not collide.
+        self.metrics = metrics or ExecutorMetrics()
+        # One line per node: a real node takes seconds; simulated ones at scale would flood the log.
+        self._node_log_level = logging.DEBUG if kind == "sim" else logging.INFO
         self.id = executor_id
         # A node running longer than this fails (retryable: the scheduler runs it elsewhere). A
         # runner that cannot stop it (a thread inside ``execute``) makes the executor exit for its
@@ -191,6 +199,7 @@ class ExecutorService:
             host_keys, host_stats = await asyncio.to_thread(self.runner.host_report)
         else:
             host_keys, host_stats = self.runner.host_report()
+        self.metrics.sample_busy(self.id)
         self.seq += 1
         stats = self.store.stats()
         hb = ExecutorHeartbeat(
@@ -357,12 +366,14 @@ class ExecutorService:
             await msg.respond(encode(Ack(ok=False, error=f"busy with {self.current}", seq=self.seq)))
             return
         self.current = d.ref
+        self.metrics.started(self.id, d.fn, d.model)
         await msg.respond(encode(Ack(ok=True, seq=self.seq)))
         task = asyncio.create_task(self._run(d))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
     async def _run(self, d: Dispatch) -> None:
+        bind_request(d.request_id, executor=self.id)  # its lines (its threads' too) carry the ids
         node = d.ref
         self._attempts[d.request_id].add(node.attempt_ref)
         self._attempt_seen[node.attempt_ref] = time.monotonic()
@@ -450,6 +461,16 @@ class ExecutorService:
 
     async def _finish(self, event: NodeComplete | NodeFailed) -> None:
         self.current = None
+        done = isinstance(event, NodeComplete)
+        fn = self.metrics.ended(self.id, "succeeded" if done else "failed", event.timing if done else None)
+        if done and log.isEnabledFor(self._node_log_level):
+            t = event.timing
+            log.log(
+                self._node_log_level,
+                "node %s (%s) of %s ran: load %.3fs%s, fetch %.3fs, exec %.3fs, store %.3fs",
+                event.node_id, fn, event.request_id, t.load_s, f" from {t.load_tier}" if t.load_tier else "",
+                t.fetch_s, t.exec_s, t.store_s,
+            )  # fmt: skip
         await self.nc.publish(self.subjects.executor_events(self.id), encode(event))
 
     async def _upload(self, d: Dispatch, outcome: NodeOutcome) -> dict[str, ImageRef]:

@@ -3,8 +3,12 @@
 | route | who | what |
 |---|---|---|
 | ``POST /v1/images/generations`` | tenant | OpenAI-compatible image generation (synchronous; ``Idempotency-Key``) |
-| ``GET /v1/requests/{id}`` | the tenant that made it | a generation call's status and result (``images.py``) |
-| ``GET /v1/images/files/{request_id}/{name}`` | the tenant that made it | a generated PNG (``response_format: url``) |
+| ``GET /v1/requests/{id}`` | the tenant that made it | a generation call's status, progress and result (``jobs.py``) |
+| ``GET /v1/requests/{id}/events`` | the tenant that made it | the call's progress as server-sent events (``jobs.py``) |
+| ``POST /v1/requests/{id}/cancel`` | the tenant that made it | cancel the call's image requests (``jobs.py``) |
+| ``GET /v1/requests`` | tenant (admin: any) | recent calls, newest first (``jobs.py``) |
+| ``GET /v1/admin/executors`` | admin | executors: ModelFns, resident models, load (``jobs.py``) |
+| ``GET /v1/images/files/{request_id}/{name}`` | the tenant that made it | a generated image (``response_format: url``; ``.png`` as stored, ``.jpeg``/``.webp`` transcoded) |
 | ``POST /v1/workflows`` | admin | register a workflow spec (versioned) |
 | ``POST /v1/loras`` | admin | register a LoRA (name -> safetensors path under the model root) |
 | ``GET /v1/loras``, ``GET /v1/loras/{name}`` | tenant | list / look up LoRAs (names and descriptions, never paths) |
@@ -14,6 +18,9 @@
 | ``GET /healthz`` | anyone | the process is up |
 | ``GET /readyz`` | anyone | NATS is connected and a registry answers |
 | ``GET /metrics`` | anyone | Prometheus counters |
+| ``GET /v1/models``, ``GET /v1/models/{id}`` | tenant | workflows as OpenAI model objects (``models.py``) |
+| ``GET /openapi.json`` | anyone | OpenAPI 3.1 document of every route (``openapi.py``) |
+| ``GET /console``, ``GET /console/{filename}`` | anyone (the page asks for a key) | the web console (``console/``) |
 
 Every error answers in OpenAI's shape with the offending field in ``param`` and says in
 ``x-should-retry`` whether repeating the call could help (``errors.py``); bodies are read strictly
@@ -41,7 +48,7 @@ from libs.common.settings import CommonSettings
 from libs.protocol.keys import Keys
 from libs.protocol.subjects import Subjects
 from libs.workflow.spec import encode_spec
-from services.gateway import images, loras
+from services.gateway import console, images, jobs, loras, models, observe, openapi
 from services.gateway.admission import Admission
 from services.gateway.auth import TENANT, ApiKeys, bearer
 from services.gateway.body import BUS_PAYLOAD_LIMIT, json_object, read_json
@@ -67,7 +74,7 @@ from services.gateway.records import Records
 
 log = logging.getLogger(__name__)
 
-PUBLIC = {"/healthz", "/readyz", "/metrics"}
+PUBLIC = {"/healthz", "/readyz", "/metrics", "/openapi.json"}
 VERSION = re.compile(r"^[0-9]{1,9}$")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -104,7 +111,7 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
 
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    if request.path in PUBLIC:
+    if request.path in PUBLIC or console.is_public(request.path):
         return await handler(request)
     key = bearer(request.headers.get("Authorization"))
     if key is None:
@@ -134,6 +141,7 @@ async def register_workflow(request: web.Request) -> web.Response:
         status = reply.status if 400 <= reply.status < 600 else 502
         return ApiError(status, reply.error, param=param, code="invalid_spec").response(problems=problems)
     spec = json.loads(bytes(reply.spec))
+    await models.remember(request.app, spec["name"], request[PRINCIPAL].tenant)  # GET /v1/models' owned_by
     return web.json_response({"workflow": spec, "created": reply.created}, status=reply.status)
 
 
@@ -225,15 +233,8 @@ async def readyz(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    admission = request.app[ADMISSION]
-    lines = ["# TYPE t2i_gateway_inflight gauge", f"t2i_gateway_inflight {admission.inflight}"]
-    lines.append("# TYPE t2i_gateway_tenant_inflight gauge")
-    lines += [
-        f't2i_gateway_tenant_inflight{{tenant="{t}"}} {n}' for t, n in sorted(admission.by_tenant.items())
-    ]
-    for name, value in sorted(request.app[METRICS].items()):
-        lines += [f"# TYPE t2i_gateway_{name}_total counter", f"t2i_gateway_{name}_total {value}"]
-    return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+    """Prometheus text format: HTTP, per-call (workflow, tenant, status) and in-flight series."""
+    return await observe.metrics(request)
 
 
 # -- app -------------------------------------------------------------------------------------------------
@@ -259,29 +260,41 @@ async def _bridge_ctx(app: web.Application) -> AsyncIterator[None]:
 
 def make_app(cfg: GatewayConfig, common: CommonSettings, keys: ApiKeys) -> web.Application:
     app = web.Application(
-        middlewares=[errors_middleware, auth_middleware], client_max_size=int(cfg.max_body_mb * (1 << 20))
+        middlewares=[observe.observe_middleware, errors_middleware, auth_middleware],
+        client_max_size=int(cfg.max_body_mb * (1 << 20)),
     )
     app[CONFIG] = cfg
     app[COMMON] = common
     app[KEYS] = keys
     app[METRICS] = Counter()
+    observe.install(app)  # app[PROM]: Prometheus series in a registry of this app's own
     app[ADMISSION] = Admission(cfg.max_inflight, cfg.tenant_inflight)
     app[TASKS] = set()
     app.cleanup_ctx.append(_bridge_ctx)
+    app.cleanup_ctx.append(jobs.jobs_ctx)  # webhooks: after the bridge, closed before it
     app.on_response_prepare.append(add_retry_header)
     app.router.add_post("/v1/images/generations", images.generate)
+    app.router.add_get("/v1/requests", jobs.list_requests)
     app.router.add_get("/v1/requests/{id}", images.get_request)
+    app.router.add_get("/v1/requests/{id}/events", jobs.events)
+    app.router.add_post("/v1/requests/{id}/cancel", jobs.cancel_call)
     app.router.add_get("/v1/images/files/{request_id}/{name}", images.image_file)
     app.router.add_post("/v1/workflows", register_workflow)
     app.router.add_get("/v1/workflows", list_workflows)
+    app.router.add_get("/v1/models", models.list_models)
+    app.router.add_get("/v1/models/{id}", models.get_model)
     app.router.add_get("/v1/workflows/{name}", get_workflow)
     app.router.add_post("/v1/loras", register_lora)
     app.router.add_get("/v1/loras", list_loras)
     app.router.add_get("/v1/loras/{name}", get_lora)
     app.router.add_get("/v1/admin/tenants", admin_tenants)
+    app.router.add_get("/v1/admin/executors", jobs.admin_executors)
     app.router.add_get("/v1/admin/tenants/{tenant}/limits", get_tenant_limits)
     app.router.add_put("/v1/admin/tenants/{tenant}/limits", put_tenant_limits)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/openapi.json", openapi.openapi_json)
+    app.router.add_get("/console", console.page)
+    app.router.add_get("/console/{filename}", console.asset)
     return app

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 
 import msgspec
@@ -30,7 +31,14 @@ from libs.common.jetstream import ensure_images_bucket, ensure_intake_stream
 from libs.common.registry_client import RegistryClient
 from libs.common.retry import retry
 from libs.protocol.keys import Keys
-from libs.protocol.messages import ImageRef, ImageRequest, RequestResult, encode, result_decoder
+from libs.protocol.messages import (
+    CancelRequest,
+    ImageRef,
+    ImageRequest,
+    RequestResult,
+    encode,
+    result_decoder,
+)
 from libs.protocol.subjects import Subjects
 from services.gateway.records import RESULT_TTL_S, GatewayKeys
 from services.gateway.results import STATUS, ImageState, decode_checked, result_problem
@@ -38,6 +46,9 @@ from services.gateway.results import STATUS, ImageState, decode_checked, result_
 log = logging.getLogger(__name__)
 
 FALLBACK_POLL_S = 3.0
+STREAM_ID = re.compile(r"^\d{1,20}-\d{1,20}$")
+ENDED = (b"succeeded", b"failed", b"cancelled")  # a request's final states in ``{ns}:req:{id}``
+CANCELS_TTL_S = 86400  # the cancels set's TTL, renewed by every cancel (the scheduler trims it)
 
 
 class Bridge:
@@ -247,3 +258,51 @@ class Bridge:
     async def request_tenant(self, request_id: str) -> str | None:
         t = await self.redis.hget(self.keys.request(request_id), "tenant")
         return t.decode() if t else None
+
+    async def cancel(self, request_id: str, tenant: str, reason: str = "") -> bool:
+        """Ask the scheduler to cancel an image request of ``tenant`` (checked by the caller too);
+        False when there is nothing to cancel: the request is unknown, another tenant's, or ended.
+
+        The request is flagged in Redis first (``cancel`` in its hash, and ``{ns}:cancels``), then
+        the leading scheduler is told on ``{ns}.sched.cancel``: the message makes it immediate, the
+        flags make it survive a lost message or a scheduler fail-over (``services/scheduler/control.py``).
+        The request's ``cancelled`` result comes back like any other (:meth:`wait`)."""
+        key = self.keys.request(request_id)
+        status, owner = await self.redis.hmget(key, "status", "tenant")
+        if owner is None or owner.decode(errors="replace") != tenant or (status or b"") in ENDED:
+            return False
+        now = time.time()
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hset(key, mapping={"cancel": now} | ({"cancel_reason": reason[:200]} if reason else {}))
+        pipe.zadd(self.keys.cancels, {request_id: now})
+        pipe.expire(self.keys.cancels, CANCELS_TTL_S)
+        await pipe.execute()
+        try:
+            await self.nc.publish(self.subjects.cancels, encode(CancelRequest(request_id, tenant, reason)))
+        except Exception as e:  # noqa: BLE001 - the scheduler polls the flags within a second
+            log.warning("telling the scheduler to cancel %s failed: %s; it finds the flag", request_id, e)
+        return True
+
+    async def events(
+        self, request_id: str, last_id: str = "0-0", block_ms: int = 15000, count: int = 100
+    ) -> list[tuple[str, dict]]:
+        """The request's progress events after ``last_id`` (a stream entry id; ``"0-0"``: from the
+        start), waiting up to ``block_ms`` for one (0: do not wait): ``[(entry id, event), ...]``,
+        empty when none came. Events are the scheduler's (``services/scheduler/progress.py``):
+        ``{"type": "node", ...}`` per finished node, and a last ``{"type": "end", ...}``."""
+        if not STREAM_ID.match(last_id):
+            raise ValueError(f"last_id must be a stream entry id like 1733000000000-0, not {last_id!r}")
+        key = self.keys.events(request_id)
+        reply = await self.redis.xread({key: last_id}, count=count, block=block_ms or None)
+        out: list[tuple[str, dict]] = []
+        for _stream, entries in reply or []:
+            for entry_id, fields in entries:
+                eid = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+                try:
+                    event = msgspec.json.decode(fields[b"data"])
+                except (KeyError, msgspec.DecodeError) as e:
+                    log.warning("skipped a malformed event %s of %s: %s", eid, request_id, e)
+                    continue
+                if isinstance(event, dict):
+                    out.append((eid, event))
+        return out

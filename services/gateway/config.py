@@ -27,3 +27,9 @@ class GatewayConfig(msgspec.Struct, forbid_unknown_fields=True):
     quota_window_s: int = 3600  # the quota window (aligned to the unix epoch)
     max_body_mb: float = 8.0  # a generation body (control images); other bodies: 512 KiB (body.py)
     public_url: str = ""  # base of image URLs for response_format "url" (default: from the request)
+    # Webhooks (webhooks.py): the HMAC-SHA256 key that signs them (random at each start when
+    # unset: receivers cannot verify those), attempts per delivery, and the first back-off
+    # (doubling, capped at 60 s).
+    webhook_secret: str = ""
+    webhook_attempts: int = 5
+    webhook_backoff_s: float = 1.0

@@ -7,6 +7,7 @@ from collections import Counter
 
 from aiohttp import web
 
+from libs.common.metrics import GatewayMetrics
 from libs.common.settings import CommonSettings
 from services.gateway.admission import Admission
 from services.gateway.auth import ApiKeys, Principal
@@ -21,6 +22,7 @@ KEYS = web.AppKey("keys", ApiKeys)
 BRIDGE = web.AppKey("bridge", Bridge)
 RECORDS = web.AppKey("records", Records)
 METRICS = web.AppKey("metrics", Counter)
+PROM = web.AppKey("prom", GatewayMetrics)  # Prometheus series (observe.py)
 ADMISSION = web.AppKey("admission", Admission)
 LIMITS = web.AppKey("limits", TenantLimits)
 DECODE_SLOTS = web.AppKey("decode_slots", asyncio.Semaphore)

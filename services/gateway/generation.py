@@ -1,9 +1,12 @@
 """Checking an OpenAI-style image generation body against the workflow it names.
 
 ``POST /v1/images/generations`` takes OpenAI's fields (``model`` = workflow name, ``prompt``, ``n``,
-``size``, ``response_format``) plus our extensions (``seed``, ``num_inference_steps``,
-``guidance_scale``, and ``params`` for any other workflow parameter). Every problem is reported
-with the field it concerns; nothing reaches the bus before the body is fully valid.
+``size``, ``response_format``, ``output_format``, ``output_compression``, ``background``) plus our
+extensions (``seed``, ``num_inference_steps``, ``guidance_scale``, and ``params`` for any other
+workflow parameter). ``size: "auto"`` is the workflow's default size; ``output_format`` is ``png``,
+``jpeg`` or ``webp`` (transcoded at the gateway, ``formats.py``), with ``output_compression`` 0-100
+for the lossy two. Every problem is reported with the field it concerns; nothing reaches the bus
+before the body is fully valid.
 """
 
 from __future__ import annotations
@@ -16,13 +19,16 @@ from libs.workflow.errors import ParamError
 from libs.workflow.params import resolve_params
 from libs.workflow.spec import Scalar, WorkflowSpec, parse_size
 from services.gateway.errors import ApiError, invalid
+from services.gateway.formats import DEFAULT_COMPRESSION, OUTPUT_FORMATS
 
 # Fields of OpenAI's API that do not apply to these workflows; accepted so OpenAI clients work.
-IGNORED = {"user", "quality", "style"}
+IGNORED = {"user", "quality", "style", "moderation"}
 # Top-level fields beyond OpenAI's that set the workflow parameter of the same name.
 EXTENSIONS = ("seed", "num_inference_steps", "guidance_scale")
 TOP_LEVEL_PARAMS = {"prompt", "width", "height", *EXTENSIONS}
-KNOWN = {"model", "prompt", "n", "size", "response_format", "params", *IGNORED, *EXTENSIONS}
+OUTPUT = {"output_format", "output_compression", "background"}
+BACKGROUNDS = (None, "auto", "opaque")  # the workflows paint every pixel: no transparent images
+KNOWN = {"model", "prompt", "n", "size", "response_format", "params", *OUTPUT, *IGNORED, *EXTENSIONS}
 RESPONSE_FORMATS = ("b64_json", "url")
 MAX_SEED = 2**63 - 1
 
@@ -33,6 +39,9 @@ class Generation:
     response_format: str
     seeds: list[int | None]
     params: list[dict[str, Scalar]]  # one resolved parameter set per image
+    output_format: str = "png"
+    output_compression: int = DEFAULT_COMPRESSION
+    size: str | None = None  # "WxH" as generated; None for a workflow of a fixed size
 
 
 def _is_int(v: Any) -> bool:
@@ -71,11 +80,14 @@ def parse_generation(body: dict[str, Any], spec: WorkflowSpec, max_n: int) -> Ge
     for key in IGNORED:
         if key in body and not isinstance(body[key], str | type(None)):
             raise invalid(key, "must be a string")
+    out_fmt, compression = _output(body)
 
     params: dict[str, Any] = {"prompt": prompt}
     size = body.get("size")
     if size is not None and not isinstance(size, str):
-        raise invalid("size", f"must be a string like '{(spec.sizes or ['256x256'])[0]}'")
+        raise invalid("size", f"must be a string like '{(spec.sizes or ['256x256'])[0]}' or 'auto'")
+    if size == "auto":  # OpenAI's "let the model choose": the workflow's default size
+        size = None
     if spec.sizes:
         size = size or spec.sizes[0]
         if size not in spec.sizes:
@@ -84,7 +96,7 @@ def parse_generation(body: dict[str, Any], spec: WorkflowSpec, max_n: int) -> Ge
             )
         params["width"], params["height"] = parse_size(size)
     elif size is not None:
-        raise invalid("size", f"workflow {spec.name!r} has a fixed size; leave `size` out")
+        raise invalid("size", f"workflow {spec.name!r} has a fixed size; leave `size` out or give 'auto'")
 
     for field in EXTENSIONS:
         if field in body:
@@ -120,7 +132,35 @@ def parse_generation(body: dict[str, Any], spec: WorkflowSpec, max_n: int) -> Ge
         except ParamError as e:
             field = _field_for(e.field, body)
             raise invalid(field, e.message) from None
-    return Generation(n=n, response_format=fmt, seeds=seeds, params=resolved)
+    return Generation(
+        n=n,
+        response_format=fmt,
+        seeds=seeds,
+        params=resolved,
+        output_format=out_fmt,
+        output_compression=compression,
+        size=size,
+    )
+
+
+def _output(body: dict[str, Any]) -> tuple[str, int]:
+    """``output_format`` and ``output_compression``, checked (compression only for lossy formats)."""
+    fmt = body.get("output_format")
+    fmt = "png" if fmt is None else fmt
+    if fmt not in OUTPUT_FORMATS:
+        raise invalid("output_format", f"must be one of {list(OUTPUT_FORMATS)}, got {fmt!r}"[:300])
+    if body.get("background") not in BACKGROUNDS:
+        raise invalid("background", "only 'auto' and 'opaque' are supported (workflows make opaque images)")
+    compression = body.get("output_compression")
+    if compression is None:
+        return fmt, DEFAULT_COMPRESSION
+    if not _is_int(compression) or not 0 <= compression <= 100:
+        raise invalid("output_compression", "must be an integer between 0 and 100")
+    if fmt == "png":
+        raise invalid(
+            "output_compression", "applies to output_format 'jpeg' or 'webp' only (PNG is lossless)"
+        )
+    return fmt, compression
 
 
 def _field_for(param: str, body: dict[str, Any]) -> str:

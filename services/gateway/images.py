@@ -2,16 +2,19 @@
 
 ``POST /v1/images/generations`` checks the body, admits the call (``admission.py``), records it
 (``records.py``), puts one ``ImageRequest`` per image on the intake and answers once every image
-has ended. The waiting runs in a task of its own that holds the call's admission slots until the
-images are done, whether or not the client is still connected.
+has ended — or at once, 202, with ``Prefer: respond-async`` (``jobs.py``). The waiting runs in a
+task of its own that holds the call's admission slots until the images are done. A synchronous
+call whose client disconnects is cancelled, unless it carries an ``Idempotency-Key`` (its client
+will retry and pick it up); a ``webhook`` in the body is called when the call ends (``webhooks.py``).
 
 With an ``Idempotency-Key`` header the same tenant and key within 24 h name one call: a repeat
 with the same body waits for and returns that call's answer and submits nothing; a repeat with a
 different body is refused (422, ``param: Idempotency-Key``).
 
 ``GET /v1/requests/{id}`` reports a call by the ``id`` its answer carries: ``queued``, ``running``,
-``succeeded`` (with ``data`` as the call answered it) or ``failed`` (with ``error``). Only the tenant
-that made the call may read it; for anyone else it does not exist (404, never 403).
+``succeeded`` (with ``data`` as the call answered it), ``failed`` or ``cancelled`` (with ``error``),
+with its progress (``jobs.status_object``). Only the tenant that made the call may read it; for
+anyone else it does not exist (404, never 403).
 """
 
 from __future__ import annotations
@@ -26,11 +29,13 @@ from typing import Any
 
 from aiohttp import web
 
+from libs.common.logs import bind_request
 from libs.common.registry_client import WorkflowNotFound
 from libs.protocol.ids import image_object
 from libs.protocol.messages import ImageRef, ImageRequest, RequestResult, encode
 from libs.workflow.spec import WorkflowSpec
 from libs.workflow.validate import WORKFLOW_NAME
+from services.gateway import jobs, webhooks
 from services.gateway.auth import Principal
 from services.gateway.body import BUS_PAYLOAD_LIMIT, json_object, read_json, too_large
 from services.gateway.bridge import Bridge
@@ -42,14 +47,16 @@ from services.gateway.context import (
     LIMITS,
     METRICS,
     PRINCIPAL,
+    PROM,
     RECORDS,
     TASKS,
 )
 from services.gateway.errors import ApiError
+from services.gateway.formats import CONTENT_TYPES, DEFAULT_COMPRESSION, suffix_format, transcode
 from services.gateway.generation import Generation, parse_generation, parse_model
 from services.gateway.inputs import resolve_inputs
 from services.gateway.records import GenerationRecord, IdempotencyRecord, fingerprint
-from services.gateway.results import error_of, overall
+from services.gateway.results import error_of, usage_of
 
 log = logging.getLogger(__name__)
 
@@ -96,12 +103,14 @@ async def generate(request: web.Request) -> web.Response:
     if isinstance(prompt, str) and len(prompt.encode()) > BUS_PAYLOAD_LIMIT:
         raise too_large("prompt", BUS_PAYLOAD_LIMIT, param="prompt")
     spec = await lookup_workflow(bridge, parse_model(body))
-    gen = parse_generation(body, spec, cfg.max_n)
+    respond_async = jobs.wants_async(request)
+    webhook = webhooks.check_url(body["webhook"]) if "webhook" in body else None
+    gen = parse_generation({k: v for k, v in body.items() if k != "webhook"}, spec, cfg.max_n)
     fp = fingerprint(body) if key else ""
     if key:
         held = await records.held(who.tenant, key)
         if held is not None:
-            return await replay(request, held, fp)
+            return await replay(request, held, fp, respond_async)
 
     # Admitted before any heavy work (decoding control images): a tenant at its limit costs nothing.
     # The platform-wide limits (queued, GPU-second quota; limits.py) first, then this process's.
@@ -110,6 +119,7 @@ async def generate(request: web.Request) -> web.Response:
     admission.admit(who.tenant, gen.n)
     app[LIMITS].admitted(who.tenant, gen.n)
     gen_id = uuid.uuid4().hex[:20]
+    bind_request(gen_id)  # this handler's and its tasks' log lines carry the call id
     task: asyncio.Task[list[RequestResult | None]] | None = None
     claim = IdempotencyRecord(gen_id, fp) if key else None
     first: IdempotencyRecord | None = None
@@ -125,6 +135,9 @@ async def generate(request: web.Request) -> web.Response:
             seeds=gen.seeds,
             timeout_s=cfg.request_timeout_s,
             loras=loras,
+            output_format=gen.output_format,
+            output_compression=gen.output_compression,
+            size=gen.size,
         )
         reqs = _image_requests(rec, spec, gen)
         await records.save(rec)
@@ -136,12 +149,19 @@ async def generate(request: web.Request) -> web.Response:
         if task is None:  # the task frees the slots it was given; nothing else took them
             admission.release(who.tenant, gen.n)
     if first is not None:
-        await records.drop(gen_id)
-        return await replay(request, first, fp)
+        await records.drop(gen_id, who.tenant)
+        return await replay(request, first, fp, respond_async)
     app[TASKS].add(task)
     task.add_done_callback(lambda t: _task_done(app, t))
+    jobs.follow(request, rec, webhook, task)
+    if respond_async:
+        return await jobs.accepted(request, rec)
     t0 = time.monotonic()
-    results = await asyncio.shield(task)  # a client that hangs up leaves the task (and its slots) running
+    # A client that hangs up cancels the call, unless it sent an Idempotency-Key (it will retry and
+    # pick the call up); the task keeps the call's slots until its images have ended either way.
+    results = await jobs.wait_attached(request, task, rec, cancel=key is None)
+    if results is None:
+        return jobs.client_gone()
     response = await answer(request, rec, results, stale=False)
     app[METRICS]["images_generated"] += gen.n
     log.info(
@@ -195,13 +215,14 @@ async def _submit_and_wait(
             if submitted == 0:  # nothing reached the scheduler: the key and the record are void
                 if key and claim:
                     await records.release(rec.tenant, key, claim)
-                await records.drop(rec.id)
+                await records.drop(rec.id, rec.tenant)
             raise
         app[METRICS]["images_requested"] += rec.n
         results = await asyncio.gather(
             *(bridge.wait(r.request_id, rec.timeout_s + 5, f) for r, f in zip(reqs, futures, strict=True))
         )
         await bridge.remember([r for r in results if r is not None])
+        app[PROM].call_ended(rec.model, rec.tenant, results, time.time() - reqs[0].submitted_at)
         if key and claim and any(r is not None and r.error_code == "rate_limited" for r in results):
             # Answered 429 (worth retrying): a retry with the same key must be a new call, not
             # this answer again.
@@ -213,8 +234,11 @@ async def _submit_and_wait(
         app[ADMISSION].release(rec.tenant, rec.n)
 
 
-async def replay(request: web.Request, held: IdempotencyRecord, fp: str) -> web.Response:
-    """The answer of the call an idempotency key names, waiting for it if it is still running."""
+async def replay(
+    request: web.Request, held: IdempotencyRecord, fp: str, respond_async: bool = False
+) -> web.Response:
+    """The answer of the call an idempotency key names, waiting for it if it is still running
+    (or its status at once, 202, for ``Prefer: respond-async``)."""
     if held.fingerprint != fp:
         raise ApiError(
             422,
@@ -228,6 +252,9 @@ async def replay(request: web.Request, held: IdempotencyRecord, fp: str) -> web.
         raise ApiError(
             409, f"the call of this {IDEMPOTENCY_HEADER} is being set up; retry", code="idempotency_conflict"
         )
+    if respond_async:
+        app[METRICS]["idempotent_replays"] += 1
+        return await jobs.accepted(request, rec)
     bridge = app[BRIDGE]
     left = max(1.0, rec.created + rec.timeout_s + 5 - time.time())
     results = await asyncio.gather(*(bridge.wait(rid, left) for rid in rec.request_ids))
@@ -253,7 +280,16 @@ async def answer(
     except ApiError as e:
         e.headers[REQUEST_ID_HEADER] = rec.id
         raise
-    body = {"id": rec.id, "created": rec.created, "model": rec.model, "data": data}
+    body = {
+        "id": rec.id,
+        "created": rec.created,
+        "model": rec.model,
+        "data": data,
+        "output_format": rec.output_format,
+        "usage": usage_of(list(results)),
+    }
+    if rec.size:
+        body["size"] = rec.size
     return web.json_response(body, headers={REQUEST_ID_HEADER: rec.id})
 
 
@@ -267,13 +303,15 @@ async def _items(
         item: dict[str, Any] = {}
         if rec.response_format == "url":
             base = cfg.public_url.rstrip("/") or f"{request.scheme}://{request.host}"
-            item["url"] = f"{base}/v1/images/files/{ref.name}"
+            name = ref.name.removesuffix(".png") + "." + rec.output_format  # image_file transcodes
+            item["url"] = f"{base}/v1/images/files/{name}"
         else:
             png = await bridge.fetch_image(ref, delete=False)  # kept (1 h) for retries and lookups
             if png is None and stale:
                 raise ApiError(410, f"the images of {rec.id} have expired (kept 1 h)", code="expired")
             if png is None:
                 raise ApiError(500, f"image of {rid} is missing from the object store", code="internal")
+            png = await transcode(png, rec.output_format, rec.output_compression, request.app[DECODE_SLOTS])
             item["b64_json"] = base64.b64encode(png).decode()
         if seed is not None:
             item["seed"] = seed
@@ -283,30 +321,8 @@ async def _items(
 
 # -- GET /v1/requests/{id} ------------------------------------------------------------------------------
 async def get_request(request: web.Request) -> web.Response:
-    gen_id = request.match_info["id"]
-    rec = await request.app[RECORDS].load(gen_id) if GENERATION_ID.match(gen_id) else None
-    if rec is None or rec.tenant != request[PRINCIPAL].tenant:
-        raise ApiError(404, f"no request {gen_id[:64]!r}", param="id", code="not_found")
-    states = await request.app[BRIDGE].states(rec.request_ids)
-    status = overall(states)
-    out: dict[str, Any] = {
-        "id": rec.id,
-        "object": "image.generation.request",
-        "created": rec.created,
-        "model": rec.model,
-        "status": status,
-        "n": rec.n,
-        "completed": sum(s.result is not None for s in states),
-    }
-    if status == "succeeded":
-        out["data"] = await _items(request, rec, [s.result for s in states], stale=True)  # type: ignore[misc]
-    elif status == "failed":
-        rid, failed = next(
-            (r, s) for r, s in zip(rec.request_ids, states, strict=True) if s.status == "failed"
-        )
-        err = error_of(failed.result, rid, rec.timeout_s, rec.loras)
-        out["error"] = {**err.body(), "status": err.status}
-    return web.json_response(out)
+    """The call's status object (``jobs.status_object``): progress, and ``data`` once succeeded."""
+    return await jobs.get_request(request)
 
 
 # -- GET /v1/images/files/{request_id}/{name} ------------------------------------------------------------
@@ -314,16 +330,23 @@ async def image_file(request: web.Request) -> web.Response:
     rid, name = request.match_info["request_id"], request.match_info["name"]
     bridge: Bridge = request.app[BRIDGE]
     missing = ApiError(404, f"no image {rid[:64]}/{name[:64]}", code="not_found")
-    if not name.endswith(".png") or "/" in rid or not rid:
+    fmt = suffix_format(name)  # the file is stored as PNG; .jpeg/.jpg/.webp are transcoded
+    if fmt is None or "/" in rid or not rid:
         raise missing
     owner = await bridge.request_tenant(rid)
     if owner is None or owner != request[PRINCIPAL].tenant:
         raise missing
     try:
-        obj = image_object(rid, name.removesuffix(".png"))
+        obj = image_object(rid, name.rpartition(".")[0])
     except ValueError:
         raise missing from None
     png = await bridge.fetch_image(ImageRef(bucket="", name=obj, nbytes=0, width=0, height=0), delete=False)
     if png is None:
         raise ApiError(404, f"image {rid[:64]}/{name[:64]} has expired or does not exist", code="not_found")
-    return web.Response(body=png, content_type="image/png")
+    compression = DEFAULT_COMPRESSION
+    if fmt != "png":  # as the call asked, when it asked for this format
+        rec = await request.app[RECORDS].load(rid.rpartition("-")[0])
+        if rec is not None and rec.output_format == fmt:
+            compression = rec.output_compression
+    body = await transcode(png, fmt, compression, request.app[DECODE_SLOTS])
+    return web.Response(body=body, content_type=CONTENT_TYPES[fmt])

@@ -12,6 +12,8 @@ is gone.
 | ``{ns}:gw:gen:{generation_id}`` | string | JSON :class:`GenerationRecord` (24 h) |
 | ``{ns}:gw:idem:{tenant}:{sha256(key)}`` | string | JSON :class:`IdempotencyRecord` (24 h) |
 | ``{ns}:gw:res:{request_id}`` | string | the checked ``RequestResult`` the gateway answered with (1 h) |
+| ``{ns}:gw:recent:{tenant}`` | sorted set | a tenant's calls (id scored by the time it was recorded), newest 1000, 24 h |
+| ``{ns}:gw:recent`` | sorted set | every tenant's calls, newest 5000, 24 h (``GET /v1/requests?tenant=*``) |
 
 The last is written before a call answers, so a lookup right after the answer sees it: the
 scheduler publishes a result before its own copy lands in ``{ns}:req:{id}``.
@@ -23,6 +25,7 @@ them. Both hang off the namespace, so ``Keys.pattern()`` covers them.)
 from __future__ import annotations
 
 import hashlib
+import time
 from dataclasses import dataclass
 
 import msgspec
@@ -31,6 +34,8 @@ from redis.asyncio import Redis
 RECORD_TTL_S = 86400  # as long as the scheduler keeps the requests' state
 IDEMPOTENCY_TTL_S = 86400
 RESULT_TTL_S = 3600  # as long as the images are kept; the scheduler's copy lasts 24 h
+RECENT_PER_TENANT = 1000  # calls listed by GET /v1/requests, per tenant
+RECENT_ALL = 5000  # and over all tenants (admins)
 
 
 @dataclass(frozen=True)
@@ -42,6 +47,10 @@ class GatewayKeys:
 
     def result(self, request_id: str) -> str:
         return f"{self.ns}:gw:res:{request_id}"
+
+    def recent(self, tenant: str | None) -> str:
+        """Recent calls of ``tenant``; of every tenant for None."""
+        return f"{self.ns}:gw:recent" if tenant is None else f"{self.ns}:gw:recent:{tenant}"
 
     def idempotency(self, tenant: str, key: str) -> str:
         # The client's key is hashed: any bytes it sends stay out of the key space.
@@ -61,6 +70,10 @@ class GenerationRecord(msgspec.Struct, omit_defaults=True):
     timeout_s: float
     # Resolved LoRA path -> LoRA name, so error text from executors is shown with names only.
     loras: dict[str, str] = {}
+    # How its images are handed out (``formats.py``): kept so a lookup or replay encodes alike.
+    output_format: str = "png"
+    output_compression: int = 100
+    size: str | None = None
 
     @property
     def request_ids(self) -> list[str]:
@@ -87,7 +100,35 @@ class Records:
         self.keys = GatewayKeys(ns)
 
     async def save(self, rec: GenerationRecord) -> None:
-        await self.redis.set(self.keys.generation(rec.id), msgspec.json.encode(rec), ex=RECORD_TTL_S)
+        """Keep the call, and list it among its tenant's (and everyone's) recent calls."""
+        now = time.time()
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.set(self.keys.generation(rec.id), msgspec.json.encode(rec), ex=RECORD_TTL_S)
+        for key, bound in (
+            (self.keys.recent(rec.tenant), RECENT_PER_TENANT),
+            (self.keys.recent(None), RECENT_ALL),
+        ):
+            pipe.zadd(key, {rec.id: now})  # not ``created``: whole seconds would tie
+            pipe.zremrangebyscore(key, "-inf", now - RECORD_TTL_S)  # their records are gone
+            pipe.zremrangebyrank(key, 0, -bound - 1)
+            pipe.expire(key, RECORD_TTL_S)
+        await pipe.execute()
+
+    async def recent(self, tenant: str | None, limit: int) -> list[GenerationRecord]:
+        """Up to ``limit`` recent calls of ``tenant`` (every tenant's for None), newest first."""
+        ids = await self.redis.zrevrange(self.keys.recent(tenant), 0, limit - 1)
+        if not ids:
+            return []
+        raws = await self.redis.mget([self.keys.generation(i.decode()) for i in ids])
+        out = []
+        for raw in raws:
+            if raw is None:  # expired, or dropped (its submission failed)
+                continue
+            try:
+                out.append(msgspec.json.decode(raw, type=GenerationRecord))
+            except msgspec.DecodeError:
+                continue
+        return out
 
     async def load(self, generation_id: str) -> GenerationRecord | None:
         if not generation_id or len(generation_id) > 64:
@@ -100,8 +141,13 @@ class Records:
         except msgspec.DecodeError:
             return None
 
-    async def drop(self, generation_id: str) -> None:
-        await self.redis.delete(self.keys.generation(generation_id))
+    async def drop(self, generation_id: str, tenant: str | None = None) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.delete(self.keys.generation(generation_id))
+        if tenant is not None:
+            pipe.zrem(self.keys.recent(tenant), generation_id)
+            pipe.zrem(self.keys.recent(None), generation_id)
+        await pipe.execute()
 
     async def claim(self, tenant: str, key: str, rec: IdempotencyRecord) -> IdempotencyRecord | None:
         """Claim ``key`` for ``rec``: None when it is ours now, else the record that holds it."""

@@ -21,7 +21,7 @@ from services.gateway.errors import ApiError
 
 RATE_LIMITED_RETRY_AFTER_S = 2  # the scheduler's backlog of the tenant was full: retry a little later
 
-Status = Literal["queued", "running", "succeeded", "failed"]
+Status = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 # What the scheduler writes into ``{ns}:req:{id}`` -> what a tenant is told.
 STATUS: dict[str, Status] = {
     "submitted": "queued",
@@ -29,6 +29,7 @@ STATUS: dict[str, Status] = {
     "running": "running",
     "succeeded": "succeeded",
     "failed": "failed",
+    "cancelled": "cancelled",
 }
 ABSOLUTE_PATH = re.compile(r"(?<![\w.~-])(?:[A-Za-z]:)?[/\\](?:[^\s/\\'\"`,;:()]+[/\\])+[^\s/\\'\"`,;:()]*")
 
@@ -70,6 +71,8 @@ def overall(states: list[ImageState]) -> Status:
     kinds = {s.status for s in states}
     if "failed" in kinds:
         return "failed"
+    if "cancelled" in kinds and kinds <= {"cancelled", "succeeded"}:
+        return "cancelled"
     if kinds == {"succeeded"}:
         return "succeeded"
     if kinds & {"running", "succeeded"}:
@@ -89,6 +92,9 @@ def error_of(
         return ApiError(422, message, code=code)
     if code == "timeout":
         return ApiError(504, message, code=code)
+    if code == "cancelled" or result.status == "cancelled":  # jobs.py: by the cancel route or a hang-up
+        why = f": {message}" if message else ""
+        return ApiError(409, f"request {request_id} was cancelled{why}", code="cancelled")
     if code == "rate_limited":  # the tenant's backlog at the scheduler is full (max_tenant_backlog)
         return ApiError(429, message, code=code, retry_after=RATE_LIMITED_RETRY_AFTER_S)
     return ApiError(500, f"request {request_id} failed: {message or 'no image produced'}", code=code)
@@ -101,3 +107,18 @@ def redact(text: str, loras: dict[str, str]) -> str:
         if path:
             text = text.replace(path, f"<lora {name}>")
     return text
+
+
+def usage_of(results: list[RequestResult | None]) -> dict:
+    """A call's ``usage``: OpenAI's token fields (always 0: workflows are not billed by tokens, but
+    OpenAI clients parse them) plus the GPU-seconds each image was charged (what the platform bills
+    and the tenants' quotas count; 0 for an image that has not ended)."""
+    per_image = [round(float(getattr(r, "gpu_s", 0.0) or 0.0), 6) if r is not None else 0.0 for r in results]
+    return {
+        "input_tokens": 0,
+        "output_tokens": 0,
+        "total_tokens": 0,
+        "input_tokens_details": {"text_tokens": 0, "image_tokens": 0},
+        "gpu_seconds": round(sum(per_image), 6),
+        "gpu_seconds_per_image": per_image,
+    }

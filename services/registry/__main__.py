@@ -6,6 +6,7 @@ from contextlib import AsyncExitStack
 
 from libs.common.config import load_config
 from libs.common.logs import setup_logging
+from libs.common.metrics import RegistryMetrics, serve_metrics
 from libs.common.nats_conn import connect
 from libs.common.redis_conn import connect_redis
 from libs.common.service import main, own
@@ -26,8 +27,14 @@ async def build(stack: AsyncExitStack) -> RegistryService:
     own(stack, nc.drain, "nats")
     redis = connect_redis(common.redis_url)
     own(stack, redis.aclose, "redis")
+    metrics = RegistryMetrics()
+    await serve_metrics(stack, metrics, host=common.metrics_host, port=common.metrics_port)
     return RegistryService(
-        nc, WorkflowStore(redis, Keys(common.namespace)), catalog.signatures(), Subjects(common.namespace)
+        nc,
+        WorkflowStore(redis, Keys(common.namespace)),
+        catalog.signatures(),
+        Subjects(common.namespace),
+        metrics=metrics,
     )
 
 

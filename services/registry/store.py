@@ -7,9 +7,12 @@ Both happen in one Lua script, so concurrent registrations never assign a versio
 
 from __future__ import annotations
 
+import time
+
 import msgspec
 from redis.asyncio import Redis
 
+from libs.protocol.adverts import StoredAdvert, adverts_key, stored_decoder
 from libs.protocol.keys import Keys
 from libs.protocol.messages import LoraInfo, WorkflowSummary
 from libs.workflow.spec import WorkflowSpec, decode_spec
@@ -88,3 +91,36 @@ class LoraStore:
     async def list(self) -> list[LoraInfo]:
         raw = await self.redis.hgetall(self.keys.loras)
         return sorted((msgspec.json.decode(v, type=LoraInfo) for v in raw.values()), key=lambda x: x.name)
+
+
+class AdvertStore:
+    """The ModelFns executors advertise (libs/protocol/adverts.py), one hash field per executor
+    with its signatures and an expiry; shared by every registry replica through Redis."""
+
+    def __init__(self, redis: Redis, ns: str) -> None:
+        self.redis = redis
+        self.key = adverts_key(ns)
+
+    async def put(self, executor: str, signatures: dict[str, msgspec.Raw], ttl_s: float) -> None:
+        stored = StoredAdvert(signatures=signatures, expires=time.time() + ttl_s)
+        await self.redis.hset(self.key, executor, msgspec.json.encode(stored))
+
+    async def live(self) -> dict[str, StoredAdvert]:
+        """Executor -> its advertisement, for every one not expired (the expired ones are deleted
+        on the way)."""
+        now = time.time()
+        out: dict[str, StoredAdvert] = {}
+        stale = []
+        for executor_b, raw in (await self.redis.hgetall(self.key)).items():
+            try:
+                stored = stored_decoder.decode(raw)
+            except msgspec.DecodeError:
+                stale.append(executor_b)
+                continue
+            if stored.expires < now:
+                stale.append(executor_b)
+            else:
+                out[executor_b.decode()] = stored
+        if stale:
+            await self.redis.hdel(self.key, *stale)
+        return out

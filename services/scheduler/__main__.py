@@ -15,6 +15,7 @@ from contextlib import AsyncExitStack
 
 from libs.common.config import load_config
 from libs.common.logs import setup_logging
+from libs.common.metrics import SchedulerMetrics, serve_metrics
 from libs.common.nats_conn import connect
 from libs.common.redis_conn import connect_redis
 from libs.common.service import own, serve
@@ -56,7 +57,10 @@ async def build(stack: AsyncExitStack) -> SchedulerService:
         cfg.deployment,
         common.namespace,
     )
+    metrics = SchedulerMetrics()
+    await serve_metrics(stack, metrics, host=common.metrics_host, port=common.metrics_port)
     return SchedulerService(
+        metrics=metrics,
         nc=nc,
         redis=redis,
         subjects=Subjects(common.namespace),

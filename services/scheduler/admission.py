@@ -99,6 +99,18 @@ class Backlog:
         self._n -= 1
         return item
 
+    def remove(self, request_id: str) -> Queued | None:
+        """Take a queued request out (it was cancelled); None when it is not queued here."""
+        for tenant, q in self._queues.items():
+            for item in q:
+                if item.req.request_id == request_id:
+                    q.remove(item)
+                    if not q:
+                        del self._queues[tenant]
+                    self._n -= 1
+                    return item
+        return None
+
     def expired(self, now: float) -> list[Queued]:
         """Remove and return the queued requests whose deadline has passed."""
         out: list[Queued] = []

@@ -34,24 +34,18 @@ from libs.protocol.ids import AttemptRef, NodeRef, image_object
 from libs.protocol.messages import (
     CallbackReady,
     CancelNode,
-    ConstInput,
     Dispatch,
     ExecutorHeartbeat,
-    ImageInput,
     ImageRequest,
     InputBinding,
-    LoraInput,
     NodeComplete,
     NodeFailed,
     OutputPlan,
-    PendingInput,
     RequestResult,
-    TensorInput,
-    TensorListInput,
 )
 from libs.protocol.tensor_meta import TensorMeta
-from libs.workflow.dag import Const, Dag, ImageSource, LoraSource, TensorSource
-from services.scheduler import lineage, seen, views
+from libs.workflow.dag import Dag, TensorSource
+from services.scheduler import lineage, progress, seen, views
 from services.scheduler.accounting import Accounts
 from services.scheduler.deployment import Deployment
 from services.scheduler.effects import (
@@ -68,7 +62,7 @@ from services.scheduler.executors import ExecutorState
 from services.scheduler.guards import overdue, timing_problem
 from services.scheduler.lifecycle import NodeRecord, NodeState, NodeTable
 from services.scheduler.policy import Policy
-from services.scheduler.records import RequestRun, metas_of, persist
+from services.scheduler.records import RequestRun, binding, metas_of, persist
 from services.scheduler.snapshot import Snapshot
 
 log = logging.getLogger(__name__)
@@ -126,6 +120,7 @@ class SchedulerCore:
             tail = max((critical[s] for s in dag.successors[node_id]), default=0.0)
             critical[node_id] = est[node_id] + tail
         ref = AttemptRef(req.request_id, attempt)
+        step_of, step_sizes = progress.step_units(dag)
         return RequestRun(
             req=req,
             dag=dag,
@@ -135,6 +130,9 @@ class SchedulerCore:
             nodes=NodeTable(ref, dag, critical, arrived),
             reads_left=dict(dag.consumers),
             job_s=sum(est.values()),
+            step_of=step_of,
+            step_sizes=step_sizes,
+            step_left=dict(step_sizes),
         )
 
     def _in_flight(self, node: NodeRef, executor_id: str) -> tuple[RequestRun, NodeRecord] | None:
@@ -343,7 +341,7 @@ class SchedulerCore:
             self._dispatched.popitem(last=False)
         inputs: dict[str, InputBinding] = {}
         for name, src in node.inputs.items():
-            inputs[name] = self._binding(run, rec, name, src)
+            inputs[name] = binding(run, rec, name, src)
         sinks = {src: name for name, src in run.dag.outputs.items()}
         outputs = [
             OutputPlan(  # the reads still planned (all of them unless it runs again: lineage.py)
@@ -374,20 +372,6 @@ class SchedulerCore:
             effects.append(self._persist(run, status="running"))
         return effects
 
-    def _binding(self, run: RequestRun, rec: NodeRecord, name: str, src: object) -> InputBinding:
-        if isinstance(src, Const):
-            return ConstInput(src.value)
-        if isinstance(src, ImageSource):
-            return ImageInput(src.ref)
-        if isinstance(src, LoraSource):
-            return LoraInput(src.path)
-        assert isinstance(src, TensorSource)
-        meta = run.tensors.get(src)
-        if meta is None:  # a callback input whose producer is still running: forwarded later
-            rec.pending[name] = src
-            return PendingInput(src.node, src.output)
-        return TensorListInput(meta) if isinstance(meta, list) else TensorInput(meta)
-
     # -- completions -------------------------------------------------------------------------------
     def on_complete(self, msg: NodeComplete, now: float) -> list[Effect]:
         ref = msg.ref
@@ -416,6 +400,7 @@ class SchedulerCore:
             return self._fail(run, f"node {node.id} ({node.fn}) returned no {missing}", code="workflow")
         free = rec.rerun  # completing clears it
         run.nodes.complete(node.id, now)  # successors whose last input this was are ready now
+        progress.node_done(run, node.id)
         t = msg.timing
         self.estimator.observe(
             node.fn,
@@ -432,6 +417,7 @@ class SchedulerCore:
         run.executors.add(msg.executor)
         run.bytes_moved += msg.bytes_in
         run.gpu_s += msg.timing.total_s
+        event = progress.node_event(run, msg, node.fn, node.model)  # the client's progress stream
         new_tensors: dict[str, TensorMeta] = {}
         forwards: list[Effect] = []
         for out, meta in msg.outputs.items():
@@ -455,8 +441,8 @@ class SchedulerCore:
         for out, image in msg.sinks.items():
             run.sinks[sinks[out]] = image
         if run.nodes.done == len(run.nodes):
-            return [*correction, *forwards, *self._succeed(run)]
-        return [*correction, *forwards, self._persist(run, status="running", tensors=new_tensors)]
+            return [*correction, *forwards, event, *self._succeed(run)]
+        return [*correction, *forwards, event, self._persist(run, status="running", tensors=new_tensors)]
 
     def reject_completion(self, node: NodeRef, executor_id: str, now: float, problem: str) -> list[Effect]:
         """A completion that cannot be believed (its timing is not finite and >= 0): dropped, and
@@ -520,6 +506,7 @@ class SchedulerCore:
         effects = self._cancel_running(reset)
         effects += [self.accounts.refund(run.req.tenant, r.charge_s) for r in reset if not r.rerun]
         lineage.apply(run, recovery, now)
+        progress.recount(run)  # steps whose nodes were undone are not done any more
         kept = {m.tensor_id: m for meta in run.tensors.values() for m in metas_of(meta)}
         # Redis keeps the attempt's tensor metadata as ``run.tensors``: drop it all, write back the rest.
         drop = self._persist(run, status="running", drop_tensors=True, recovered=reason)
@@ -546,6 +533,20 @@ class SchedulerCore:
             if (ex := self.executors.get(rec.executor or "")) is not None and ex.running == rec.ref
         ]
 
+    def cancel(self, request_id: str, tenant: str, reason: str = "") -> list[Effect]:
+        """The client cancelled a request in the core: nothing more of it is dispatched, its running
+        nodes are cancelled and refunded (only the nodes that completed stay charged), its tensors
+        are released, and it ends ``cancelled``. Idempotent: an unknown or ended request (or one of
+        another tenant) is left alone."""
+        run = self.runs.get(request_id)
+        if run is None or run.req.tenant != tenant:
+            return []
+        log.info("request %s cancelled (%d of %d nodes done)", request_id, run.nodes.done, len(run.nodes))
+        running = list(run.nodes.in_flight.values())
+        refunds = [self.accounts.refund(tenant, r.charge_s) for r in running if not r.rerun]
+        why = reason or "cancelled by the client"
+        return [*refunds, *self._end(run, "cancelled", why, "cancelled")]
+
     def _succeed(self, run: RequestRun) -> list[Effect]:
         return self._end(run, "succeeded")
 
@@ -568,7 +569,8 @@ class SchedulerCore:
             nodes=len(run.dag.nodes),
             executors=sorted(run.executors),
             bytes_moved=run.bytes_moved,
-            gpu_s=run.gpu_s,
+            gpu_s=progress.charged_s(run),
+            nodes_run=run.nodes.done,
         )
         return [
             *cancels,

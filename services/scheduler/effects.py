@@ -49,6 +49,15 @@ class PersistRequest:
 
 
 @dataclass(frozen=True)
+class AppendEvent:
+    """Append a progress event to the request's stream ``{ns}:events:{id}`` (``progress.py``); the
+    outbox adds the wall-clock time ``t``."""
+
+    request_id: str
+    data: dict
+
+
+@dataclass(frozen=True)
 class Finished:
     result: RequestResult
     tenant: str
@@ -71,4 +80,13 @@ class ChargeVTime:
     service_s: float = 0.0
 
 
-Effect = SendDispatch | SendCallback | SendCancel | ReleaseAttempt | PersistRequest | Finished | ChargeVTime
+Effect = (
+    SendDispatch
+    | SendCallback
+    | SendCancel
+    | ReleaseAttempt
+    | PersistRequest
+    | AppendEvent
+    | Finished
+    | ChargeVTime
+)

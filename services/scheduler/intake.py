@@ -3,7 +3,8 @@
 Every intake message ends in exactly one of two ways: the request is handed to the core (which
 always ends it with a ``Finished`` effect, hence a result), or it is answered here with a failed
 :class:`RequestResult` naming why (``bad_params``, ``workflow``, ``timeout``, ``rate_limited``,
-``internal``). The one
+``internal``), or ``cancelled`` when its client cancelled it before it reached the core (the
+``cancel`` flag of its state, read at take-in; ``control.py``). The one
 exception is a message without a usable request id: there is no subject to answer on, so it is
 logged and terminated.
 
@@ -47,6 +48,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from redis.asyncio import Redis
 
+from libs.common.logs import bind_request
 from libs.common.registry_client import RegistryClient, WorkflowNotFound
 from libs.errors import T2IError
 from libs.protocol.keys import Keys
@@ -87,6 +89,13 @@ def _peek(data: bytes) -> _Peek:
 
 def failed(rid: str, error: str, code: str) -> RequestResult:
     return RequestResult(rid, "failed", error=error, error_code=code)
+
+
+def cancelled(rid: str, reason: str = "", nodes: int = 0) -> RequestResult:
+    """The answer to a request cancelled before any of its nodes ran (nothing charged)."""
+    return RequestResult(
+        rid, "cancelled", error=reason or "cancelled by the client", error_code="cancelled", nodes=nodes
+    )
 
 
 class Intake:
@@ -296,6 +305,7 @@ class Intake:
 
     async def _retry(self, req: ImageRequest, deadline: Deadline, error: Exception | None, seq: int) -> None:
         rid = req.request_id
+        bind_request(rid)  # a task per request: its log lines carry the request id
         backoff = Backoff(self.cfg.retry_initial_s, self.cfg.retry_max_s)
         try:
             while True:
@@ -335,12 +345,15 @@ class Intake:
         state = self._states.pop(rid, None)
         if state is None:
             state = await self.redis.hgetall(self.keys.request(rid))
-        if state.get(b"status") in (b"succeeded", b"failed") and b"result" in state:
+        if state.get(b"status") in (b"succeeded", b"failed", b"cancelled") and b"result" in state:
             # Finished before a crash lost the ack: answer again instead of recomputing.
             await self.nc.publish(self.subjects.result(rid), state[b"result"])
             m = self.handles.pop(rid, None)
             if m is not None:
                 await m.ack()
+            return None
+        if state.get(b"cancel"):  # cancelled before it was taken in (or before a fail-over)
+            self._answer(req, cancelled(rid, state.get(b"cancel_reason", b"").decode(errors="replace")))
             return None
         m = self.handles.get(rid)
         if m is not None and (delivered := _delivered(m)) > self.cfg.max_deliveries:
@@ -361,7 +374,7 @@ class Intake:
             self._answer(req, failed(rid, why, "timeout"))
             return None
         try:
-            spec = await self.registry.get(req.workflow, req.version)
+            spec = await self.registry.get(req.workflow, req.version, request_id=rid)
             return unroll(spec, resolve_params(spec, req.params))
         except (WorkflowNotFound, ParamError) as e:
             self._answer(req, failed(rid, str(e), "bad_params" if isinstance(e, ParamError) else "workflow"))
@@ -381,6 +394,19 @@ class Intake:
             )
         self.backlog.push(Queued(seq, req, dag, attempt, deadline.at))
         self.wake.set()
+
+    def cancel(self, request_id: str, tenant: str, reason: str = "") -> bool:
+        """Answer ``cancelled`` to a request queued here for admission; False when it is not queued
+        here (in the core, ended, or not taken in yet: the take-in, and each retry of it, reads the
+        request's cancel flag) or belongs to another tenant."""
+        for item in self.backlog:
+            if item.req.request_id == request_id:
+                if item.req.tenant != tenant or self.backlog.remove(request_id) is None:
+                    return False
+                self._answer(item.req, cancelled(request_id, reason, len(item.dag.nodes)))
+                self.wake.set()
+                return True
+        return False
 
     def _fail_permanently(self, req: ImageRequest, e: Exception) -> None:
         log.error("taking %s in failed: %s: %s", req.request_id, type(e).__name__, e, exc_info=e)

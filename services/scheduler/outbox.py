@@ -21,6 +21,7 @@ import msgspec
 from libs.protocol.messages import ReleaseRequest, encode
 from libs.protocol.tensor_meta import TensorMeta
 from services.scheduler.effects import (
+    AppendEvent,
     ChargeVTime,
     Effect,
     PersistRequest,
@@ -36,7 +37,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_ENDED = ("succeeded", "failed")
+_ENDED = ("succeeded", "failed", "cancelled")
+EVENTS_MAXLEN = 2000  # entries kept per request's progress stream (approximately: MAXLEN ~)
+EVENTS_TTL_S = 3600
 
 
 @dataclass(frozen=True)
@@ -67,7 +70,7 @@ class Outbox:
 
     async def _carry_out(self, batch: list[Effect | Flushed]) -> None:
         charges: list[ChargeVTime] = []
-        persists: list[PersistRequest] = []
+        persists: list[PersistRequest | AppendEvent] = []
         markers: list[asyncio.Event] = []
         for e in batch:
             if isinstance(e, Flushed):  # even when not leading: nothing waits on it for ever
@@ -79,7 +82,7 @@ class Outbox:
                 match e:
                     case ChargeVTime():
                         charges.append(e)
-                    case PersistRequest():
+                    case PersistRequest() | AppendEvent():
                         persists.append(e)
                     case SendCallback(executor=ex, msg=ready):
                         await self.svc.nc.publish(self.svc.subjects.executor(ex), encode(ready))
@@ -98,7 +101,9 @@ class Outbox:
         for event in markers:
             event.set()
 
-    async def _write_state(self, charges: list[ChargeVTime], persists: list[PersistRequest]) -> None:
+    async def _write_state(
+        self, charges: list[ChargeVTime], persists: list[PersistRequest | AppendEvent]
+    ) -> None:
         """Request state (one pipeline) and the vTime changes (one script call), concurrently:
         they touch different keys, and each keeps its own order."""
         jobs = []
@@ -125,14 +130,18 @@ class Outbox:
     async def _persist(self, e: PersistRequest) -> None:
         await self._persist_many([e])
 
-    async def _persist_many(self, batch: list[PersistRequest]) -> None:
+    async def _persist_many(self, batch: list[PersistRequest | AppendEvent]) -> None:
         """The batch's request state, coalesced per request (the fields as the last of its effects
         left them, tensor metadata dropped and added in order), and only the fields that changed
         since this scheduler last wrote them: a completion usually changes 4 of 12. The first write
         of a request (status ``queued``: taken in or restarted), its end, and any write after a
-        failed one write every field again."""
+        failed one write every field again. Progress events go into the same pipeline, in order."""
         merged: dict[str, tuple[dict, dict[str, TensorMeta], list[bool]]] = {}
+        events: list[AppendEvent] = []
         for e in batch:
+            if isinstance(e, AppendEvent):
+                events.append(e)
+                continue
             m = merged.get(e.request_id)
             if m is None:
                 m = merged[e.request_id] = ({}, {}, [False])
@@ -172,6 +181,14 @@ class Outbox:
                 if rid not in self._tensors_ttl:  # once per key: it lives as long as the request's
                     pipe.expire(tkey, ttl)
                     self._tensors_ttl.add(rid)
+        streams: set[str] = set()
+        for ev in events:
+            skey = self.svc.keys.events(ev.request_id)
+            data = msgspec.json.encode({**ev.data, "t": round(stamp, 3)})
+            pipe.xadd(skey, {"data": data}, maxlen=EVENTS_MAXLEN, approximate=True)
+            streams.add(skey)
+        for skey in streams:
+            pipe.expire(skey, EVENTS_TTL_S)
         try:
             await pipe.execute()
         except BaseException:

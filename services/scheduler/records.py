@@ -10,11 +10,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from libs.protocol.ids import AttemptRef
-from libs.protocol.messages import ImageRef, ImageRequest
+from libs.protocol.messages import (
+    ConstInput,
+    ImageInput,
+    ImageRef,
+    ImageRequest,
+    InputBinding,
+    LoraInput,
+    PendingInput,
+    TensorInput,
+    TensorListInput,
+)
 from libs.protocol.tensor_meta import TensorMeta
-from libs.workflow.dag import Dag, TensorSource
+from libs.workflow.dag import Const, Dag, ImageSource, LoraSource, TensorSource
 from services.scheduler.effects import PersistRequest
-from services.scheduler.lifecycle import NodeTable
+from services.scheduler.lifecycle import NodeRecord, NodeTable
 
 
 @dataclass
@@ -40,6 +50,12 @@ class RequestRun:
     rerun_s: float = 0.0  # measured GPU time of those runs: the platform's, not charged to the tenant
     # node id -> (its inputs' metadata objects, their shape key): ``seen.input_shapes``'s cache
     shape_keys: dict[str, tuple[tuple, str]] = field(default_factory=dict)
+    # Denoising steps (``progress.py``): each looped node's step, nodes per step, nodes of each step
+    # not done yet, and the steps whose nodes all are.
+    step_of: dict[str, tuple[int, str]] = field(default_factory=dict)
+    step_sizes: dict[tuple[int, str], int] = field(default_factory=dict)
+    step_left: dict[tuple[int, str], int] = field(default_factory=dict)
+    steps_done: int = 0
 
     @property
     def request_id(self) -> str:
@@ -52,6 +68,23 @@ class RequestRun:
 
 def metas_of(meta: TensorMeta | list[TensorMeta]) -> list[TensorMeta]:
     return meta if isinstance(meta, list) else [meta]
+
+
+def binding(run: RequestRun, rec: NodeRecord, name: str, src: object) -> InputBinding:
+    """How a dispatch names one input of ``rec``; a callback input whose producer is still running
+    is sent *pending* (and noted in ``rec.pending``: its metadata follows in a ``CallbackReady``)."""
+    if isinstance(src, Const):
+        return ConstInput(src.value)
+    if isinstance(src, ImageSource):
+        return ImageInput(src.ref)
+    if isinstance(src, LoraSource):
+        return LoraInput(src.path)
+    assert isinstance(src, TensorSource)
+    meta = run.tensors.get(src)
+    if meta is None:  # a callback input whose producer is still running: forwarded later
+        rec.pending[name] = src
+        return PendingInput(src.node, src.output)
+    return TensorListInput(meta) if isinstance(meta, list) else TensorInput(meta)
 
 
 def persist(
@@ -74,6 +107,8 @@ def persist(
         "rerun_s": round(run.rerun_s, 6),
         "executors": ",".join(sorted(run.executors)),
         "callbacks_forwarded": run.callbacks_forwarded,
+        "step": run.steps_done,
+        "steps": len(run.step_sizes),
         **{k: v for k, v in extra.items() if v},
     }
     return PersistRequest(run.request_id, fields, tensors or {}, drop_tensors)

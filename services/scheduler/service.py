@@ -34,6 +34,8 @@ from nats.js.api import AckPolicy, ConsumerConfig
 from redis.asyncio import Redis
 
 from libs.common.jetstream import ensure_intake_stream
+from libs.common.logs import bind_request
+from libs.common.metrics import SchedulerMetrics
 from libs.common.registry_client import RegistryClient
 from libs.common.service import run_all
 from libs.protocol.ids import NodeRef
@@ -54,6 +56,7 @@ from libs.protocol.subjects import Subjects
 from libs.workflow.dag import Dag
 from services.scheduler.admission import rank_for
 from services.scheduler.config import SchedulerConfig
+from services.scheduler.control import Control
 from services.scheduler.core import SchedulerCore
 from services.scheduler.dispatcher import Dispatcher
 from services.scheduler.effects import (
@@ -63,7 +66,8 @@ from services.scheduler.effects import (
 )
 from services.scheduler.intake import Intake
 from services.scheduler.lease import Lease, LeaseLost
-from services.scheduler.outbox import Flushed, Outbox
+from services.scheduler.outbox import EVENTS_MAXLEN, EVENTS_TTL_S, Flushed, Outbox
+from services.scheduler.progress import end_event
 from services.scheduler.retrying import Backoff, is_transient, retry_transient
 from services.scheduler.views import live_attempts
 from services.scheduler.vtime_store import VTimeStore
@@ -91,8 +95,10 @@ class SchedulerService:
         keys: Keys,
         core: SchedulerCore,
         cfg: SchedulerConfig,
+        metrics: SchedulerMetrics | None = None,
     ) -> None:
         self.nc = nc
+        self.metrics = metrics or SchedulerMetrics()  # observed here in the shell, never in the core
         self.js = nc.jetstream()
         self.redis = redis
         self.subjects = subjects
@@ -123,6 +129,7 @@ class SchedulerService:
         self._subs: list = []
         self._pull: JetStreamContext.PullSubscription | None = None
         self.forged_events = 0  # events dropped: their ``executor`` was not their subject's sender
+        self.control = Control(self)  # clients' cancels, the executors view (control.py)
 
     # -- lifecycle ----------------------------------------------------------------------------------
     @property
@@ -153,6 +160,7 @@ class SchedulerService:
                 log.warning("taking the scheduler lease failed: %s: %s", type(e).__name__, e)
             await asyncio.sleep(self.cfg.lease_poll_s)
         self.vtimes.epoch = self.intake.epoch = self.lease.epoch
+        self.metrics.leading.set(1)
         log.info(
             "scheduler lease taken: leading with epoch %d (holder %s)", self.lease.epoch, self.lease.holder
         )
@@ -160,6 +168,7 @@ class SchedulerService:
     def step_down(self, reason: str) -> None:
         """Stop acting at once: nothing more is fetched or dispatched; ``run`` raises LeaseLost."""
         if not self._down.is_set():
+            self.metrics.leading.set(0)
             self._down_reason = reason
             self._down.set()
             log.error("stepping down as the leading scheduler (epoch %d): %s", self.lease.epoch, reason)
@@ -196,6 +205,7 @@ class SchedulerService:
         await self.dispatcher.start()
         # Each executor publishes on its own events subject; ``_on_event`` holds it to that.
         self._subs.append(await self.nc.subscribe(self.subjects.sched_events, cb=self._on_event))
+        self._subs.append(await self.nc.subscribe(self.subjects.cancels, cb=self.control.on_message))
         log.info("scheduler ready (namespace %s)", self.subjects.ns)
 
     async def run(self) -> None:
@@ -207,6 +217,7 @@ class SchedulerService:
             self.dispatcher.run(),
             self.tick_loop(),
             self.progress_loop(),
+            self.control.run(),
         )
 
     async def lease_loop(self) -> None:
@@ -403,6 +414,7 @@ class SchedulerService:
         for e in effects:
             if isinstance(e, SendDispatch):
                 self.dispatcher.send(e)
+                self.metrics.dispatched(e.msg)
             elif isinstance(e, Finished):  # at once: a Redis outage must not hold the answer up
                 flushed = asyncio.Event()  # set once the effects queued before it were carried out
                 self._io.put_nowait(Flushed(flushed))
@@ -453,6 +465,8 @@ class SchedulerService:
         the ack leaves the message to the next one, which finds the result in Redis (or, if it was
         never stored, runs the request again); it never leaves a request answered but unrecorded."""
         rid = result.request_id
+        bind_request(rid)  # this task's log lines (the result's among them) carry the request id
+        self.metrics.finished(result, tenant)
         data = encode(result)
         try:
             await self.nc.publish(self.subjects.result(rid), data)
@@ -493,13 +507,17 @@ class SchedulerService:
             result.gpu_s,
             f" ({result.error_code}: {result.error})" if result.error else "",
         )
-        key = self.keys.request(rid)
+        key, events = self.keys.request(rid), self.keys.events(rid)
 
         async def store() -> None:
             pipe = self.redis.pipeline(transaction=False)  # both idempotent; MULTI is not in its ACL
             fields = {"status": result.status, "result": data} | ({"tenant": tenant} if tenant else {})
             pipe.hset(key, mapping=fields)
             pipe.expire(key, self.cfg.request_ttl_s)
+            # The progress stream's last entry, after every node's (they were flushed before this).
+            end = msgspec.json.encode({**end_event(result), "t": round(time.time(), 3)})
+            pipe.xadd(events, {"data": end}, maxlen=EVENTS_MAXLEN, approximate=True)
+            pipe.expire(events, EVENTS_TTL_S)
             await pipe.execute()
 
         try:
@@ -546,6 +564,7 @@ class SchedulerService:
     async def _publish_tenants(self, log_it: bool) -> None:
         """The operator view: per-tenant vTime, service and queued/running work, in Redis."""
         view = self.core.tenant_stats()
+        self.metrics.tenants(view, self.intake.backlog.counts())
         if not view:
             return
         try:

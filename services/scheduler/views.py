@@ -1,8 +1,10 @@
-"""Read-only views of the scheduler core's state: the operator's per-tenant view and the log's counts."""
+"""Read-only views of the scheduler core's state: the operator's per-tenant and per-executor views
+and the log's counts."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
+from collections.abc import Iterable, Mapping
 
 from services.scheduler.accounting import Accounts
 from services.scheduler.executors import ExecutorState
@@ -46,3 +48,56 @@ def stats(executors: Iterable[ExecutorState], runs: Iterable[RequestRun]) -> dic
 def live_attempts(runs: Iterable[RequestRun]) -> list[str]:
     """The attempts in progress, encoded (what ``LiveAttempts`` carries to executors)."""
     return [run.ref.encode() for run in runs]
+
+
+BUSY_TIME_CONSTANT_S = 10.0  # the busy fraction is an exponential average over about this long
+
+
+def running_nodes(ex: ExecutorState) -> int:
+    """Nodes an executor runs as far as the scheduler knows: ours in flight there (including one
+    over its time limit it still reports) and any it reports that this scheduler never sent."""
+    ours = {n for n in (ex.running, ex.hung) if n is not None}
+    return len(ours) + len(ex.foreign)
+
+
+class BusyMeter:
+    """Each executor's busy fraction in [0, 1]: an exponential average, over about
+    ``BUSY_TIME_CONSTANT_S``, of whether it was running a node at each sample (the shell samples it
+    every tick)."""
+
+    def __init__(self) -> None:
+        self.busy: dict[str, float] = {}
+        self._at: dict[str, float] = {}
+
+    def sample(self, executors: Mapping[str, ExecutorState], now: float) -> None:
+        for ex_id, ex in executors.items():
+            running = 1.0 if running_nodes(ex) else 0.0
+            last = self._at.get(ex_id)
+            self._at[ex_id] = now
+            if last is None:
+                self.busy[ex_id] = running
+                continue
+            w = 1.0 - math.exp(-max(0.0, now - last) / BUSY_TIME_CONSTANT_S)
+            self.busy[ex_id] += (running - self.busy[ex_id]) * w
+        for gone in [e for e in self.busy if e not in executors]:
+            del self.busy[gone], self._at[gone]
+
+
+def executors_view(
+    executors: Mapping[str, ExecutorState], busy: Mapping[str, float], now: float, wall: float
+) -> dict[str, dict]:
+    """The operator's view of each executor (``{ns}:executors``): its kind, ModelFns, the models
+    resident on its device and in its box's host tier (encoded ``fn|model`` keys), the nodes it
+    runs, its busy fraction and when it was last heard from (unix time; ``now`` is monotonic)."""
+    return {
+        ex.id: {
+            "kind": ex.kind,
+            "fns": sorted(ex.fns),
+            "resident": sorted(k.encode() for k in ex.resident),
+            "host_resident": sorted(k.encode() for k in ex.host_resident),
+            "running": running_nodes(ex),
+            "busy": round(min(1.0, max(0.0, busy.get(ex.id, 0.0))), 4),
+            "seen": round(wall - (now - ex.last_seen), 3),
+        }
+        for ex in executors.values()
+    }

@@ -110,11 +110,17 @@ class Client:
         return True
 
 
-async def listen(nc: nats.NATS, subjects: list[str]) -> list[str]:
+FORGED = b'{"type":"forged"}'
+
+
+async def listen(nc: nats.NATS, subjects: list[str], only: bytes | None = None) -> list[str]:
+    """The subjects on which messages arrive; with ``only``, messages with that payload alone
+    (the scheduler's own broadcasts on ``exec.all`` may come at any moment)."""
     got: list[str] = []
 
     async def cb(msg) -> None:
-        got.append(msg.subject)
+        if only is None or msg.data == only:
+            got.append(msg.subject)
 
     for subject in subjects:
         await nc.subscribe(subject, cb=cb)
@@ -146,9 +152,9 @@ async def test_the_executor_user_cannot_forge_results_intake_registry_writes_or_
     try:
         forged = [s.result("forged"), s.intake, s.registry("register"), s.executors_all, s.executor("nobody")]
         allowed = s.executor_release("nobody")  # ReleaseTensors to a producer: the control
-        got = await listen(admin.nc, [*forged, allowed])
+        got = await listen(admin.nc, [*forged, allowed], only=FORGED)
         for subject in [*forged, allowed]:
-            await ex.nc.publish(subject, b'{"type":"forged"}')
+            await ex.nc.publish(subject, FORGED)
         await ex.nc.flush()
         await asyncio.sleep(0.3)
         assert got == [allowed]
@@ -246,18 +252,25 @@ async def test_no_or_wrong_credentials_do_not_connect(stack):
         assert "uthorization" in repr(e.value) or "NoServers" in repr(e.value), e.value
 
 
-def test_redis_users_are_limited_to_their_keys_and_executors_have_none(stack):
+def test_redis_users_are_limited_to_their_keys_and_executors_only_to_gpu_leases(stack):
     creds = stack.credentials
     assert creds is not None
-    assert "executor" not in creds.redis
-    assert "T2I_REDIS_USER" not in creds.env("sim-executors", "executor")
+    assert creds.env("sim-executors", "executor")["T2I_REDIS_USER"] == creds.redis["executor"].name
     k = Keys(stack.namespace)
 
     def as_role(role: str) -> redis.Redis:
         return redis.Redis.from_url(creds.redis_url(stack.redis_url, role))
 
     gateway, registry, scheduler = as_role("gateway"), as_role("registry"), as_role("scheduler")
+    executor = as_role("executor")
     try:
+        # An executor reaches its GPU lease keys (libs/common/gpu_lease.py) and nothing else.
+        lease = f"{stack.namespace}:gpu:box:0"
+        assert executor.set(lease, "me", nx=True, px=5000) and executor.get(lease) == b"me"
+        assert executor.delete(lease) == 1
+        for touch in (lambda: executor.hgetall(k.vtime), lambda: executor.set(k.request("x"), "1")):
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                touch()
         assert gateway.hgetall(k.vtime) is not None  # it reads the counters (the admin view) ...
         for write in (
             lambda: gateway.hset(k.vtime, "alice", "0"),  # ... but cannot reset a tenant's vTime
@@ -275,7 +288,7 @@ def test_redis_users_are_limited_to_their_keys_and_executors_have_none(stack):
         with pytest.raises(redis.exceptions.AuthenticationError):
             redis.Redis.from_url(stack.redis_url, username=creds.redis["gateway"].name, password="x").ping()
     finally:
-        for r in (gateway, registry, scheduler):
+        for r in (gateway, registry, scheduler, executor):
             r.close()
 
 
@@ -321,9 +334,6 @@ def test_compose_credentials_load_in_nats_server_and_redis_server(tmp_path):
         for role in ROLES:
             pw = tmp_path / role / "redis_password"
             assert (tmp_path / role / "nats_password").exists()
-            if role == "executor":
-                assert not pw.exists()
-                continue
             r = redis.Redis(port=port, username=f"tcompose-{role}", password=pw.read_text())
             assert r.ping()
             r.close()

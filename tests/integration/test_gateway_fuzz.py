@@ -37,6 +37,9 @@ ROUTE_PATHS = [
     "/healthz",
     "/readyz",
     "/metrics",
+    "/v1/models",
+    "/v1/models/{name}",
+    "/openapi.json",
 ]
 METHODS = ["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"]
 
@@ -106,7 +109,10 @@ GOOD_BODIES = [
     {"model": "fast-wf", "prompt": "x", "params": {"num_inference_steps": 2}},
     {"name": "style-x", "path": "loras/x.safetensors", "description": "d"},
 ]
-FIELDS = sorted({k for b in GOOD_BODIES for k in b} | {"n", "size", "seed", "guidance_scale", "user"})
+FIELDS = sorted(
+    {k for b in GOOD_BODIES for k in b}
+    | {"n", "size", "seed", "guidance_scale", "user", "output_format", "output_compression"}
+)
 
 
 @st.composite

@@ -252,12 +252,17 @@ def test_a_failed_call_reports_its_error(stack):
     assert "not in simulation profile" in err["message"]
 
 
-async def test_a_call_whose_connection_dropped_keeps_running_and_can_be_read_back(stack):
+async def test_a_keyed_call_whose_connection_dropped_keeps_running_and_can_be_read_back(stack):
+    # With an Idempotency-Key a hang-up does not cancel the call (the client said it would retry);
+    # without one it does (tests/integration/test_async_jobs.py).
+    key = {"Idempotency-Key": f"keep-{uuid.uuid4().hex}"}
     async with Intake(stack) as intake:
 
         def hang_up() -> None:
             with pytest.raises((TimeoutError, socket.timeout)):
-                call(stack, "POST", "/v1/images/generations", gen("slow-wf", seed=3), timeout=0.3)
+                call(
+                    stack, "POST", "/v1/images/generations", gen("slow-wf", seed=3), headers=key, timeout=0.3
+                )
 
         await asyncio.to_thread(hang_up)
         gen_id = generation_id(await intake.next_id())

@@ -74,15 +74,19 @@ def test_executors_publish_their_own_events_and_peers_releases_only():
     # each event against its subject.
     generic = nats_permissions("t2i", "executor", "t2i-executor")["publish"]["allow"]
     assert generic[:2] == ["t2i.sched.events.*", "t2i.exec.*.release"] and "t2i.exec.*" not in generic
+    assert "t2i.registry.advertise" in generic  # its ModelFns, to the registry (and no other op)
+    assert not any(a.startswith("t2i.registry.") and a != "t2i.registry.advertise" for a in generic)
     scheduler = nats_permissions("t2i", "scheduler", "t2i-scheduler")
     assert scheduler["subscribe"]["allow"][0] == "t2i.sched.events.*"
     assert "t2i.exec.*" in scheduler["publish"]["allow"]  # Dispatch, CancelNode, ...
 
 
-def test_executors_have_no_redis_user_and_every_redis_user_stays_in_its_namespace():
-    assert redis_rules("t2i", "executor") is None
+def test_executors_reach_only_gpu_leases_and_every_redis_user_stays_in_its_namespace():
+    executor = redis_rules("t2i", "executor")
+    assert executor is not None and [r for r in executor if "~" in r] == ["~t2i:gpu:*"]
+    assert "+hset" not in executor and "+set" in executor
     creds = Credentials.generate("t2i", {"executor-0": ["t2i-executor-0"]})
-    assert set(creds.redis) == {"gateway", "registry", "scheduler"}
+    assert set(creds.redis) == {"gateway", "registry", "scheduler", "executor"}
     assert creds.nats_user("executor-0").executor_ids == ("t2i-executor-0",)
     assert creds.nats_user("executor-7") is creds.nats["executor"]  # unknown: the generic user
     for role in creds.redis:

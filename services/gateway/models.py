@@ -1,0 +1,130 @@
+"""``GET /v1/models`` and ``GET /v1/models/{id}``: the workflows, as OpenAI's model objects.
+
+OpenAI clients find what they may pass as ``model`` here (``client.models.list()``); a workflow
+is that model. OpenAI's object needs ``created`` and ``owned_by``, which the registry does not keep
+(a workflow is versioned content, not an account's object), so the gateway keeps them itself in
+one Redis string per workflow, ``{ns}:gw:model:{name}`` (JSON ``{"created", "owned_by"}``, no
+expiry: a workflow is never deleted):
+
+- a registration through this gateway records the registering tenant and the time, unless the
+  name already has an entry (the first registration owns the name: later versions keep it);
+- a workflow first seen in a listing without an entry (registered from a file, by another tool,
+  or before this existed) is recorded then as ``owned_by: "system"``, so its ``created`` stays the
+  same from one listing to the next.
+
+Written with ``SET NX``, so concurrent gateways agree on the first value.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import msgspec
+from aiohttp import web
+from redis.exceptions import RedisError
+
+from libs.protocol.messages import WorkflowSummary
+from services.gateway.context import BRIDGE, COMMON
+from services.gateway.images import lookup_workflow
+
+log = logging.getLogger(__name__)
+
+
+class ModelInfo(msgspec.Struct):
+    created: int
+    owned_by: str
+
+
+class Model(msgspec.Struct):
+    """One workflow as an OpenAI model object (the fields after ``owned_by`` are ours)."""
+
+    id: str
+    created: int
+    owned_by: str
+    version: int
+    description: str = ""
+    sizes: list[str] = []
+    params: list[str] = []
+    object: str = "model"
+
+
+class ModelList(msgspec.Struct):
+    data: list[Model]
+    object: str = "list"
+
+
+def _key(app: web.Application, name: str) -> str:
+    return f"{app[COMMON].namespace}:gw:model:{name}"
+
+
+async def remember(app: web.Application, name: str, owner: str) -> None:
+    """Record who registered ``name`` and when, unless someone already did. Best effort: the
+    registration has happened whatever this does."""
+    info = ModelInfo(created=int(time.time()), owned_by=owner or "system")
+    try:
+        await app[BRIDGE].redis.set(_key(app, name), msgspec.json.encode(info), nx=True)
+    except RedisError as e:
+        log.warning("could not record the owner of workflow %s: %s", name, e)
+
+
+def _decode(raw: bytes | None) -> ModelInfo | None:
+    if raw is None:
+        return None
+    try:
+        return msgspec.json.decode(raw, type=ModelInfo)
+    except msgspec.DecodeError:
+        return None
+
+
+async def _infos(app: web.Application, names: list[str]) -> dict[str, ModelInfo]:
+    """``created``/``owned_by`` of each name, recording those seen for the first time. Plain
+    GET/SET NX per name (a pipeline): the gateway's Redis user may run only those on its keys."""
+    redis = app[BRIDGE].redis
+    now = ModelInfo(created=int(time.time()), owned_by="system")
+    if not names:
+        return {}
+    try:
+        pipe = redis.pipeline(transaction=False)
+        for name in names:
+            pipe.set(_key(app, name), msgspec.json.encode(now), nx=True)
+            pipe.get(_key(app, name))
+        replies = await pipe.execute()
+    except RedisError as e:  # fail open: the list matters more than its dates
+        log.warning("could not read the owners of workflows: %s", e)
+        return dict.fromkeys(names, ModelInfo(created=0, owned_by="system"))
+    # An unreadable entry is shown as new rather than failing the list.
+    return {name: _decode(raw) or now for name, raw in zip(names, replies[1::2], strict=True)}
+
+
+def _model(w: WorkflowSummary, info: ModelInfo) -> Model:
+    return Model(
+        id=w.name,
+        created=info.created,
+        owned_by=info.owned_by,
+        version=w.version,
+        description=w.description,
+        sizes=list(w.sizes),
+        params=list(w.params),
+    )
+
+
+async def list_models(request: web.Request) -> web.Response:
+    workflows = (await request.app[BRIDGE].registry.list()).workflows
+    infos = await _infos(request.app, [w.name for w in workflows])
+    body = ModelList(data=[_model(w, infos[w.name]) for w in workflows])
+    return web.Response(body=msgspec.json.encode(body), content_type="application/json")
+
+
+async def get_model(request: web.Request) -> web.Response:
+    spec = await lookup_workflow(request.app[BRIDGE], request.match_info["id"], param="id")
+    info = (await _infos(request.app, [spec.name]))[spec.name]
+    summary = WorkflowSummary(
+        name=spec.name,
+        version=spec.version,
+        description=spec.description,
+        params=sorted(spec.params),
+        sizes=list(spec.sizes),
+    )
+    body = _model(summary, info)
+    return web.Response(body=msgspec.json.encode(body), content_type="application/json")

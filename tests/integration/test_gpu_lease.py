@@ -1,0 +1,108 @@
+"""The GPU lease on a real Redis: executors of one box each claim a different GPU."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import pytest
+from redis.asyncio import Redis
+
+from libs.common.gpu_lease import GpuLease, GpuLeaseError, lease_key, visible_gpus
+
+GPUS = ["0", "1", "2", "3"]
+
+
+@pytest.fixture
+async def redis(common):
+    r = Redis.from_url(common.redis_url)
+    yield r
+    await r.aclose()
+
+
+def lease(redis, ns, owner, **kw) -> GpuLease:
+    kw = {"ttl_s": 5.0, "wait_s": 0.0, "poll_s": 0.05} | kw
+    return GpuLease(redis, ns, kw.pop("gpus", GPUS), owner=owner, **kw)
+
+
+async def test_executors_starting_together_claim_distinct_gpus_lowest_first(redis, common):
+    leases = [lease(redis, common.namespace, f"exec-{i}") for i in range(4)]
+    claimed = await asyncio.gather(*(x.claim() for x in leases))
+    assert sorted(claimed) == GPUS
+    for x in leases:
+        assert await redis.get(x.key) == x.token.encode()
+        ttl = await redis.pttl(x.key)
+        assert 0 < ttl <= 5000
+    # A fifth finds every GPU leased and says so.
+    with pytest.raises(GpuLeaseError, match="all 4 GPUs"):
+        await lease(redis, common.namespace, "exec-4").claim()
+    # Another box (scope) has its own GPUs 0-3.
+    other = lease(redis, common.namespace, "exec-b0", scope="box-b")
+    assert await other.claim() == "0"
+    for x in (*leases, other):
+        assert await x.release()
+
+
+async def test_release_frees_the_gpu_for_the_next_executor(redis, common):
+    first, second = lease(redis, common.namespace, "a"), lease(redis, common.namespace, "b")
+    assert await first.claim() == "0" and await second.claim() == "1"
+    assert await first.release()
+    assert not await first.release()  # already gone: a no-op
+    third = lease(redis, common.namespace, "c")
+    assert await third.claim() == "0"
+    # A stale owner can neither refresh nor release a lease another now holds.
+    assert not await first.refresh()
+    assert await redis.get(third.key) == third.token.encode()
+    assert await second.release() and await third.release()
+
+
+async def test_an_expired_lease_is_reclaimed_and_its_old_owner_learns_it_lost_it(redis, common):
+    crashed = lease(redis, common.namespace, "crashed", ttl_s=1.0)
+    assert await crashed.try_claim() == "0"  # then it hangs: nothing refreshes its lease
+    waiting = lease(redis, common.namespace, "next", gpus=["0"], wait_s=10.0)
+    assert await waiting.claim() == "0"  # waited for the crashed executor's lease to lapse
+    assert await redis.get(waiting.key) == waiting.token.encode()
+    with pytest.raises(GpuLeaseError, match="lost the lease of GPU 0"):
+        await asyncio.wait_for(crashed.run(), timeout=10)
+    assert await waiting.release()
+
+
+async def test_a_held_lease_is_kept_alive_from_the_claim_on(redis, common):
+    held = lease(redis, common.namespace, "held", ttl_s=1.0)
+    await held.claim()  # refreshing starts here, before the executor's (slow) start-up
+    await asyncio.sleep(2.5)  # more than twice the TTL: only refreshes keep it
+    assert await redis.get(held.key) == held.token.encode()
+    with pytest.raises(GpuLeaseError):
+        await lease(redis, common.namespace, "x", gpus=["0"]).claim()
+    runner = asyncio.ensure_future(held.run())
+    await asyncio.sleep(0.1)
+    runner.cancel()  # the service stopping: the lease stays until release()
+    await asyncio.gather(runner, return_exceptions=True)
+    await asyncio.sleep(1.5)
+    assert await redis.get(held.key) == held.token.encode()
+    assert await held.release()
+    assert await redis.get(lease_key(common.namespace, "box", "0")) is None
+
+
+def test_apply_points_cuda_at_the_claimed_gpu_only():
+    x = GpuLease.__new__(GpuLease)
+    x.gpu, x.index = "GPU-1234", 2
+    env: dict[str, str] = {}
+    if "torch" in sys.modules and sys.modules["torch"].cuda.is_initialized():
+        pytest.skip("CUDA already initialised in this process")
+    assert x.apply("cuda", env) == "cuda" and env == {"CUDA_VISIBLE_DEVICES": "GPU-1234"}
+    with pytest.raises(GpuLeaseError, match="cuda device"):
+        x.apply("cpu", env)
+
+
+def test_visible_gpus_from_the_setting_the_environment_or_the_devices():
+    assert visible_gpus("4", {}) == GPUS
+    assert visible_gpus("2,5", {}) == ["2", "5"]
+    assert visible_gpus("", {"CUDA_VISIBLE_DEVICES": "3,1"}) == ["3", "1"]
+    assert visible_gpus("", {"CUDA_VISIBLE_DEVICES": ""}) == []
+    with pytest.raises(GpuLeaseError, match="listed twice"):
+        visible_gpus("1,1", {})
+    with pytest.raises(GpuLeaseError, match="must match"):
+        visible_gpus("0,a b", {})
+    with pytest.raises(GpuLeaseError, match="scope"):
+        GpuLease(None, "t2i", GPUS, scope="a b")  # type: ignore[arg-type]
