@@ -146,7 +146,7 @@ def redis_rules(ns: str, role: str) -> list[str] | None:
             f"({' '.join(f'~{x}' for x in lease)} +set +get +incr +pexpire)",
             f"(%R~{k.quota_window} +get)",
             # Progress streams, the executors view, and the cancels it polls and trims (control.py).
-            f"(~{k.events('*')} +xadd +expire)",
+            f"(~{k.events('*')} +xadd +expire +eval)",  # +eval: outbox.py appends a batch in one script
             f"(~{k.executors_view} +hset +hdel +del)",
             f"(~{k.cancels} +zrangebyscore +zrem +zremrangebyscore)",
         ]

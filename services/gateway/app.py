@@ -60,6 +60,7 @@ from services.gateway.context import (
     COMMON,
     CONFIG,
     DECODE_SLOTS,
+    KEY_TURNS,
     KEYS,
     LIMITS,
     METRICS,
@@ -270,6 +271,7 @@ def make_app(cfg: GatewayConfig, common: CommonSettings, keys: ApiKeys) -> web.A
     observe.install(app)  # app[PROM]: Prometheus series in a registry of this app's own
     app[ADMISSION] = Admission(cfg.max_inflight, cfg.tenant_inflight)
     app[TASKS] = set()
+    app[KEY_TURNS] = {}
     app.cleanup_ctx.append(_bridge_ctx)
     app.cleanup_ctx.append(jobs.jobs_ctx)  # webhooks: after the bridge, closed before it
     app.on_response_prepare.append(add_retry_header)

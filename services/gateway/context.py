@@ -26,5 +26,6 @@ PROM = web.AppKey("prom", GatewayMetrics)  # Prometheus series (observe.py)
 ADMISSION = web.AppKey("admission", Admission)
 LIMITS = web.AppKey("limits", TenantLimits)
 DECODE_SLOTS = web.AppKey("decode_slots", asyncio.Semaphore)
+KEY_TURNS = web.AppKey("key_turns", dict)  # (tenant, Idempotency-Key) -> its turn (images.key_turn)
 TASKS = web.AppKey("tasks", set)  # generation tasks that outlive their HTTP call
 PRINCIPAL = web.RequestKey("principal", Principal)

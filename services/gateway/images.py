@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import logging
 import re
 import time
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 from aiohttp import web
@@ -44,6 +46,7 @@ from services.gateway.context import (
     BRIDGE,
     CONFIG,
     DECODE_SLOTS,
+    KEY_TURNS,
     LIMITS,
     METRICS,
     PRINCIPAL,
@@ -107,10 +110,57 @@ async def generate(request: web.Request) -> web.Response:
     webhook = webhooks.check_url(body["webhook"]) if "webhook" in body else None
     gen = parse_generation({k: v for k, v in body.items() if k != "webhook"}, spec, cfg.max_n)
     fp = fingerprint(body) if key else ""
-    if key:
-        held = await records.held(who.tenant, key)
-        if held is not None:
-            return await replay(request, held, fp, respond_async)
+    # Calls with one key in this process take turns until the first has claimed it, so a repeat
+    # waits for that call instead of taking admission slots of its own (and a 429 at the limit).
+    async with key_turn(app, who.tenant, key):
+        held = await records.held(who.tenant, key) if key else None
+        started = held if held is not None else await _start(request, spec, gen, body, key, fp)
+    if isinstance(started, IdempotencyRecord):  # the call this key names: answer as it answers
+        return await replay(request, started, fp, respond_async)
+    rec, task = started
+    app[TASKS].add(task)
+    task.add_done_callback(lambda t: _task_done(app, t))
+    jobs.follow(request, rec, webhook, task)
+    if respond_async:
+        return await jobs.accepted(request, rec)
+    t0 = time.monotonic()
+    # A client that hangs up cancels the call, unless it sent an Idempotency-Key (it will retry and
+    # pick the call up); the task keeps the call's slots until its images have ended either way.
+    results = await jobs.wait_attached(request, task, rec, cancel=key is None)
+    if results is None:
+        return jobs.client_gone()
+    response = await answer(request, rec, results, stale=False)
+    app[METRICS]["images_generated"] += gen.n
+    log.info(
+        "%s: %d image(s) of %s for %s in %.2fs", rec.id, gen.n, spec.name, who.tenant, time.monotonic() - t0
+    )
+    return response
+
+
+@contextlib.asynccontextmanager
+async def key_turn(app: web.Application, tenant: str, key: str | None) -> AsyncIterator[None]:
+    """Hold this process's turn for ``(tenant, key)`` (nothing without a key)."""
+    if key is None:
+        yield
+        return
+    turns: dict[tuple[str, str], asyncio.Lock] = app[KEY_TURNS]
+    lock = turns.setdefault((tenant, key), asyncio.Lock())
+    try:
+        async with lock:
+            yield
+    finally:
+        if not lock.locked() and turns.get((tenant, key)) is lock:
+            del turns[(tenant, key)]
+
+
+async def _start(
+    request: web.Request, spec: WorkflowSpec, gen: Generation, body: dict[str, Any], key: str | None, fp: str
+) -> tuple[GenerationRecord, asyncio.Task[list[RequestResult | None]]] | IdempotencyRecord:
+    """Admit, record and submit a new call; or, when a call elsewhere claimed ``key`` first, its
+    idempotency record (this call's own record dropped, nothing submitted)."""
+    app = request.app
+    cfg, bridge, records = app[CONFIG], app[BRIDGE], app[RECORDS]
+    who: Principal = request[PRINCIPAL]
 
     # Admitted before any heavy work (decoding control images): a tenant at its limit costs nothing.
     # The platform-wide limits (queued, GPU-second quota; limits.py) first, then this process's.
@@ -150,24 +200,9 @@ async def generate(request: web.Request) -> web.Response:
             admission.release(who.tenant, gen.n)
     if first is not None:
         await records.drop(gen_id, who.tenant)
-        return await replay(request, first, fp, respond_async)
-    app[TASKS].add(task)
-    task.add_done_callback(lambda t: _task_done(app, t))
-    jobs.follow(request, rec, webhook, task)
-    if respond_async:
-        return await jobs.accepted(request, rec)
-    t0 = time.monotonic()
-    # A client that hangs up cancels the call, unless it sent an Idempotency-Key (it will retry and
-    # pick the call up); the task keeps the call's slots until its images have ended either way.
-    results = await jobs.wait_attached(request, task, rec, cancel=key is None)
-    if results is None:
-        return jobs.client_gone()
-    response = await answer(request, rec, results, stale=False)
-    app[METRICS]["images_generated"] += gen.n
-    log.info(
-        "%s: %d image(s) of %s for %s in %.2fs", gen_id, gen.n, spec.name, who.tenant, time.monotonic() - t0
-    )
-    return response
+        return first
+    assert task is not None
+    return rec, task
 
 
 def _task_done(app: web.Application, task: asyncio.Task) -> None:
