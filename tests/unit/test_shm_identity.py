@@ -6,8 +6,11 @@ or removed is therefore never read through a stale mapping (libs/dataplane/trans
 from __future__ import annotations
 
 import struct
+import subprocess
+import sys
 import threading
 from multiprocessing import shared_memory
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +24,7 @@ from libs.dataplane.transport.tags import TAG
 from libs.protocol.tensor_meta import TensorMeta
 
 KIB = 1024
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _meta(address: str, nbytes: int = 4) -> TensorMeta:
@@ -225,3 +229,39 @@ def test_reads_racing_evictions_get_the_right_bytes_or_a_retryable_error(namespa
     finally:
         for peer in peers:
             peer.close()
+
+
+def test_a_predecessor_closing_after_its_successor_started_leaves_the_successors_segment(
+    namespace: str,
+) -> None:
+    # The predecessor (its own process, as executors are) is still alive when its successor starts
+    # under the same executor id (a slow shutdown), and closes afterwards: the name is the
+    # successor's now and must stay, also when the predecessor's process exits.
+    script = (
+        "import sys; from libs.dataplane.transport import ShmTransport; "
+        f"t = ShmTransport({namespace!r}, 'producer', 64 * 1024); print('up', flush=True); "
+        "sys.stdin.readline(); t.close(); print('closed', flush=True)"
+    )
+    old = subprocess.Popen(
+        [sys.executable, "-c", script], cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert old.stdout is not None and old.stdin is not None
+        assert old.stdout.readline().strip() == "up"
+        new = ShmTransport(namespace, "producer", 64 * KIB)
+        meta = TensorStore("producer", new).put(
+            "r1/b", torch.full((64,), 7, dtype=torch.uint8), consumers=1, group="r1"
+        )
+        old.stdin.write("close\n")
+        old.stdin.flush()
+        assert old.stdout.readline().strip() == "closed"
+        assert old.wait(30) == 0
+    finally:
+        old.kill()
+    with ShmTransport(namespace, "consumer", 64 * KIB) as ours:
+        out = bytearray(64)
+        ours.read(meta, memoryview(out))  # raises TransportError if the name was removed
+        assert out == bytes([7]) * 64
+    new.close()
+    with pytest.raises(FileNotFoundError):  # the successor still removes its own name
+        shared_memory.SharedMemory(new.address)

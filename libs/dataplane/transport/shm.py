@@ -29,6 +29,7 @@ Segments are created with mode 0600: only processes of the executor's user can m
 
 from __future__ import annotations
 
+import _posixshmem  # type: ignore[import-not-found]  # what multiprocessing.shared_memory uses
 import logging
 import os
 import secrets
@@ -36,7 +37,7 @@ import struct
 import sys
 import threading
 from collections import OrderedDict
-from multiprocessing import shared_memory
+from multiprocessing import resource_tracker, shared_memory
 
 from libs.dataplane.arena import Segment, ShmArena, reserve_segment, segment_name, unlink_segment
 from libs.dataplane.errors import DataPlaneError, TransportError
@@ -121,6 +122,19 @@ def _layout(seg: Segment) -> _Peer:
     return _Peer(seg, seg.size, seg.view[0:0], 0)
 
 
+def _named_ident(name: str) -> tuple[int, int] | None:
+    """(device, inode) of the segment now called ``name``; None when there is none."""
+    try:
+        fd = _posixshmem.shm_open("/" + name, os.O_RDONLY, mode=0)
+    except FileNotFoundError:
+        return None
+    try:
+        st = os.fstat(fd)
+    finally:
+        os.close(fd)
+    return (st.st_dev, st.st_ino)
+
+
 def retire_segment(name: str) -> bool:
     """Zero the incarnation of the segment now called ``name`` (a predecessor's, about to be
     removed), so that readers still mapping it stop reading it at their next check even if it
@@ -178,6 +192,10 @@ class ShmTransport(Transport):
         self._shm: shared_memory.SharedMemory | None = shared_memory.SharedMemory(
             name, create=True, size=size
         )
+        # The segment's identity, so closing removes the name only while it still names our
+        # segment (a successor under our name may have replaced it since).
+        st = os.fstat(self._shm._fd)  # type: ignore[attr-defined]
+        self._ident = (st.st_dev, st.st_ino)
         try:
             if reserve:
                 reserve_segment(self._shm, name, size)
@@ -216,6 +234,12 @@ class ShmTransport(Transport):
             if fd >= 0:
                 os.close(fd)
                 shm._fd = -1  # type: ignore[attr-defined]
+        if _named_ident(shm.name) != getattr(self, "_ident", None):
+            # Gone, or a successor's segment under our name: removing the name would cut its
+            # readers off. Nor may the resource tracker remove it when this process exits.
+            log.info("segment %s now belongs to a successor (or is gone): left in place", shm.name)
+            resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+            return
         try:
             shm.unlink()
         except FileNotFoundError:
