@@ -31,27 +31,13 @@ from collections.abc import Mapping, Sequence
 
 from redis.asyncio import Redis
 
+from libs.common.redis_conn import DELETE_IF_HELD, RENEW_IF_HELD
 from libs.errors import T2IError
 
 log = logging.getLogger(__name__)
 
 SCOPE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 GPU_ID = re.compile(r"^[A-Za-z0-9_.:/-]{1,128}$")  # an index, or a GPU-/MIG- UUID
-
-# KEYS[1] = the lease key, ARGV[1] = owner token, ARGV[2] = TTL in ms. 1: still ours (extended).
-_REFRESH = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
-end
-return 0
-"""
-# KEYS[1] = the lease key, ARGV[1] = owner token. 1: deleted (it was ours).
-_RELEASE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('DEL', KEYS[1])
-end
-return 0
-"""
 
 
 class GpuLeaseError(T2IError):
@@ -133,8 +119,8 @@ class GpuLease:
         self.poll_s = poll_s
         self.gpu: str | None = None
         self.index: int | None = None  # position of ``gpu`` among the visible ones
-        self._refresh = redis.register_script(_REFRESH)
-        self._release = redis.register_script(_RELEASE)
+        self._refresh = redis.register_script(RENEW_IF_HELD)
+        self._release = redis.register_script(DELETE_IF_HELD)
         self._keeper: asyncio.Task | None = None
 
     @property

@@ -18,7 +18,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AsyncExitStack
 from typing import Any
 
@@ -84,55 +84,44 @@ class ServiceMetrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
+    # Labelled series of this service's registry, each called with its label values.
+    def counter(self, name: str, doc: str, labels: list[str]) -> _Children:
+        return _Children(Counter(name, doc, labels, registry=self.registry))
+
+    def gauge(self, name: str, doc: str, labels: list[str]) -> _Children:
+        return _Children(Gauge(name, doc, labels, registry=self.registry))
+
+    def histogram(self, name: str, doc: str, labels: list[str], buckets: Sequence[float]) -> _Children:
+        return _Children(Histogram(name, doc, labels, buckets=buckets, registry=self.registry))
+
 
 # -- gateway -------------------------------------------------------------------------------------------
 class GatewayMetrics(ServiceMetrics):
     def __init__(self) -> None:
         super().__init__("gateway")
-        r = self.registry
-        self.http = _Children(
-            Counter(
-                "t2i_gateway_http_requests",
-                "HTTP requests answered",
-                ["route", "method", "status"],
-                registry=r,
-            )
+
+        self.http = self.counter(
+            "t2i_gateway_http_requests", "HTTP requests answered", ["route", "method", "status"]
         )
-        self.http_seconds = _Children(
-            Histogram(
-                "t2i_gateway_http_request_seconds",
-                "HTTP handling time",
-                ["route"],
-                buckets=HTTP_BUCKETS,
-                registry=r,
-            )
+        self.http_seconds = self.histogram(
+            "t2i_gateway_http_request_seconds", "HTTP handling time", ["route"], buckets=HTTP_BUCKETS
         )
-        self.calls = _Children(
-            Counter(
-                "t2i_gateway_calls",
-                "generation calls ended, by workflow, tenant and outcome",
-                ["workflow", "tenant", "status"],
-                registry=r,
-            )
+        self.calls = self.counter(
+            "t2i_gateway_calls",
+            "generation calls ended, by workflow, tenant and outcome",
+            ["workflow", "tenant", "status"],
         )
-        self.images = _Children(
-            Counter(
-                "t2i_gateway_images", "images ended, by outcome", ["workflow", "tenant", "status"], registry=r
-            )
+        self.images = self.counter(
+            "t2i_gateway_images", "images ended, by outcome", ["workflow", "tenant", "status"]
         )
-        self.latency = _Children(
-            Histogram(
-                "t2i_gateway_request_seconds",
-                "a generation call's latency, from submission to its last image",
-                ["workflow", "tenant", "status"],
-                buckets=REQUEST_BUCKETS,
-                registry=r,
-            )
+        self.latency = self.histogram(
+            "t2i_gateway_request_seconds",
+            "a generation call's latency, from submission to its last image",
+            ["workflow", "tenant", "status"],
+            buckets=REQUEST_BUCKETS,
         )
-        self.gpu_seconds = _Children(
-            Counter(
-                "t2i_gateway_gpu_seconds", "GPU seconds charged to calls", ["workflow", "tenant"], registry=r
-            )
+        self.gpu_seconds = self.counter(
+            "t2i_gateway_gpu_seconds", "GPU seconds charged to calls", ["workflow", "tenant"]
         )
 
     def call_ended(self, workflow: str, tenant: str, results: Iterable[Any], seconds: float) -> None:
@@ -173,38 +162,38 @@ def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
 class SchedulerMetrics(ServiceMetrics):
     def __init__(self) -> None:
         super().__init__("scheduler")
-        r = self.registry
-        self.dispatches = _Children(
-            Counter(
-                "t2i_scheduler_dispatches",
-                "nodes dispatched to executors",
-                ["workflow", "fn", "tenant"],
-                registry=r,
-            )
+
+        self.dispatches = self.counter(
+            "t2i_scheduler_dispatches", "nodes dispatched to executors", ["workflow", "fn", "tenant"]
         )
-        self.results = _Children(
-            Counter("t2i_scheduler_requests", "image requests ended", ["tenant", "status"], registry=r)
-        )
-        self.gpu = _Children(
-            Counter(
-                "t2i_scheduler_gpu_seconds", "GPU seconds charged to ended requests", ["tenant"], registry=r
-            )
+        self.results = self.counter("t2i_scheduler_requests", "image requests ended", ["tenant", "status"])
+        self.gpu = self.counter(
+            "t2i_scheduler_gpu_seconds", "GPU seconds charged to ended requests", ["tenant"]
         )
         self.queue = Gauge(
             "t2i_scheduler_queue_depth",
             "requests waiting to start (backlog and core)",
             ["tenant"],
-            registry=r,
+            registry=self.registry,
         )
-        self.ready = Gauge("t2i_scheduler_ready_nodes", "nodes ready to dispatch", ["tenant"], registry=r)
-        self.running = Gauge("t2i_scheduler_running_nodes", "nodes running", ["tenant"], registry=r)
+        self.ready = Gauge(
+            "t2i_scheduler_ready_nodes", "nodes ready to dispatch", ["tenant"], registry=self.registry
+        )
+        self.running = Gauge(
+            "t2i_scheduler_running_nodes", "nodes running", ["tenant"], registry=self.registry
+        )
         self.vtime = Gauge(
-            "t2i_scheduler_vtime_seconds", "cumulative vTime (fair share)", ["tenant"], registry=r
+            "t2i_scheduler_vtime_seconds", "cumulative vTime (fair share)", ["tenant"], registry=self.registry
         )
         self.service_s = Gauge(
-            "t2i_scheduler_service_seconds", "measured GPU seconds received", ["tenant"], registry=r
+            "t2i_scheduler_service_seconds",
+            "measured GPU seconds received",
+            ["tenant"],
+            registry=self.registry,
         )
-        self.leading = Gauge("t2i_scheduler_leading", "1 while this scheduler holds the lease", registry=r)
+        self.leading = Gauge(
+            "t2i_scheduler_leading", "1 while this scheduler holds the lease", registry=self.registry
+        )
         self._tenants: set[str] = set()
 
     def dispatched(self, d: Any) -> None:
@@ -241,44 +230,27 @@ class ExecutorMetrics(ServiceMetrics):
 
     def __init__(self) -> None:
         super().__init__("executor")
-        r = self.registry
 
         def phase(name: str, what: str) -> _Children:
-            return _Children(
-                Histogram(
-                    f"t2i_executor_node_{name}_seconds",
-                    what,
-                    ["fn", "executor"],
-                    buckets=NODE_BUCKETS,
-                    registry=r,
-                )
+            return self.histogram(
+                f"t2i_executor_node_{name}_seconds", what, ["fn", "executor"], buckets=NODE_BUCKETS
             )
 
         self.load = phase("load", "loading the node's model (0: resident)")
         self.fetch = phase("fetch", "pulling the node's inputs through the data plane")
         self.exec = phase("exec", "the ModelFn's execute()")
         self.store = phase("store", "writing outputs and uploading images")
-        self.nodes = _Children(
-            Counter("t2i_executor_nodes", "nodes run, by outcome", ["fn", "executor", "status"], registry=r)
+        self.nodes = self.counter("t2i_executor_nodes", "nodes run, by outcome", ["fn", "executor", "status"])
+        self.cache = self.counter(
+            "t2i_executor_cache_hits",
+            "where a node's model weights came from: gpu (resident), host (host tier), disk (a miss)",
+            ["tier", "executor"],
         )
-        self.cache = _Children(
-            Counter(
-                "t2i_executor_cache_hits",
-                "where a node's model weights came from: gpu (resident), host (host tier), disk (a miss)",
-                ["tier", "executor"],
-                registry=r,
-            )
-        )
-        self.busy_s = _Children(
-            Counter("t2i_executor_busy_seconds", "seconds spent running nodes", ["executor"], registry=r)
-        )
-        self.busy = _Children(
-            Gauge(
-                "t2i_executor_busy_ratio",
-                "share of the last heartbeat interval spent running nodes",
-                ["executor"],
-                registry=r,
-            )
+        self.busy_s = self.counter("t2i_executor_busy_seconds", "seconds spent running nodes", ["executor"])
+        self.busy = self.gauge(
+            "t2i_executor_busy_ratio",
+            "share of the last heartbeat interval spent running nodes",
+            ["executor"],
         )
         self._running: dict[str, tuple[float, str, str]] = {}  # executor -> (started, fn, model)
         self._window: dict[str, tuple[float, float]] = {}  # executor -> (window start, busy in it)
@@ -345,18 +317,10 @@ class ExecutorMetrics(ServiceMetrics):
 class RegistryMetrics(ServiceMetrics):
     def __init__(self) -> None:
         super().__init__("registry")
-        r = self.registry
-        self.ops = _Children(
-            Counter("t2i_registry_ops", "registry requests answered", ["op", "status"], registry=r)
-        )
-        self.seconds = _Children(
-            Histogram(
-                "t2i_registry_op_seconds",
-                "registry request handling",
-                ["op"],
-                buckets=HTTP_BUCKETS,
-                registry=r,
-            )
+
+        self.ops = self.counter("t2i_registry_ops", "registry requests answered", ["op", "status"])
+        self.seconds = self.histogram(
+            "t2i_registry_op_seconds", "registry request handling", ["op"], buckets=HTTP_BUCKETS
         )
 
     def op(self, op: str, status: int, seconds: float) -> None:

@@ -15,3 +15,21 @@ MAX_CONNECTIONS = 64
 def connect_redis(url: str, max_connections: int = MAX_CONNECTIONS, timeout: float = 10.0) -> Redis:
     pool = BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=timeout)
     return Redis(connection_pool=pool)
+
+
+# A key held by an owner token (a lease): renewed or deleted only by its holder, atomically.
+# KEYS[1] = the key, ARGV[1] = the holder's token (RENEW: ARGV[2] = the TTL in ms).
+# 1: done; 0: the key is not (any more) the holder's: it expired, or another took it.
+RENEW_IF_HELD = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
+return 0
+"""
+DELETE_IF_HELD = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""

@@ -17,27 +17,13 @@ import uuid
 
 from redis.asyncio import Redis
 
+from libs.common.redis_conn import DELETE_IF_HELD, RENEW_IF_HELD
 from libs.protocol.keys import Keys
 
 # KEYS: lease, epoch. ARGV: holder, ttl ms. The new epoch, or 0 when another holds the lease.
 _ACQUIRE = """
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
   return redis.call('INCR', KEYS[2])
-end
-return 0
-"""
-# KEYS: lease. ARGV: holder, ttl ms. 1: renewed; 0: not ours any more (expired, or taken).
-_RENEW = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  redis.call('PEXPIRE', KEYS[1], ARGV[2])
-  return 1
-end
-return 0
-"""
-# KEYS: lease. ARGV: holder.
-_RELEASE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('DEL', KEYS[1])
 end
 return 0
 """
@@ -57,8 +43,8 @@ class Lease:
         self.held = False
         self.valid_until = 0.0  # monotonic: the lease may have expired in Redis from then on
         self._acquire = redis.register_script(_ACQUIRE)
-        self._renew = redis.register_script(_RENEW)
-        self._release = redis.register_script(_RELEASE)
+        self._renew = redis.register_script(RENEW_IF_HELD)
+        self._release = redis.register_script(DELETE_IF_HELD)
 
     @property
     def _ttl_ms(self) -> int:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import http.client
 import json
 import shutil
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,8 +20,9 @@ import pytest
 from libs.launcher.stack import Stack
 from libs.sim.workflows import sim_workflow
 from libs.workflow.spec import encode_spec
-from tests.conftest import REPO, free_port
-from tests.support.stacks import drop_keys
+from tests.conftest import REPO
+from tests.support.stacks import sim_stack, started
+from tests.support.toyprofile import write_family_profile
 
 pytestmark = pytest.mark.e2e
 
@@ -35,18 +35,9 @@ def chromium() -> str | None:
     return shutil.which("chromium") or shutil.which("chromium-browser")
 
 
-def fig(v: float) -> dict:
-    return {"value": v, "tag": "D", "source": "console test profile"}
-
-
 def write_profile(path: Path) -> None:
     """Denoising steps of a quarter second: the page sees events arrive before the call ends."""
-    models = {
-        f"console/{part}": {"size_gb": fig(0.1), "load_s": fig(0.01), "exec_s": fig(s), "output_bytes": 1024}
-        for part, s in (("text", 0.01), ("prepare", 0.01), ("dit", 0.25), ("vae", 0.02))
-    }
-    profile = {"name": "console", "description": "console test", "device": "sim", "gpu_memory_gb": fig(80)}
-    path.write_text(json.dumps({**profile, "models": models}))
+    write_family_profile(path, {"console": 0.25}, load_s=0.01)
 
 
 def call(stack: Stack, method: str, path: str, key: str | None = None) -> tuple[int, dict[str, str], bytes]:
@@ -63,29 +54,20 @@ def call(stack: Stack, method: str, path: str, key: str | None = None) -> tuple[
 def stack(broker_urls, tmp_path_factory) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("console")
     write_profile(tmp / "profile.json")
-    s = Stack(
-        namespace="t" + uuid.uuid4().hex[:10],
-        log_dir=tmp / "logs",
-        model_root=tmp,
-        gateway_port=free_port(),
-        executors=0,
-        sim_executors=2,
+    s = sim_stack(
+        tmp,
         sim_profile=str(tmp / "profile.json"),
         api_keys=KEYS,
         nats_url=broker_urls[0],
         redis_url=broker_urls[1],
     )
-    s.start()
-    try:
+    with started(s):
         spec = json.loads(
             encode_spec(sim_workflow("console-wf", "console", steps=STEPS, description="console test"))
         )
         status, body = s.http("POST", "/v1/workflows", spec, key="sk-ops")
         assert status == 201, body
         yield s
-    finally:
-        s.stop()
-        drop_keys(broker_urls[1], s.namespace)
 
 
 def test_console_is_served_without_a_key(stack):

@@ -26,6 +26,7 @@ from libs.models.flux_workflows import tiny_flux
 from libs.protocol.keys import Keys
 from libs.workflow.spec import encode_spec
 from tests.conftest import cleanup_namespace, free_port
+from tests.support import plugin_flux
 
 pytestmark = pytest.mark.e2e
 KEY = "sk-e2e"
@@ -218,43 +219,12 @@ def test_an_executor_killed_mid_request_still_returns_the_same_image(broker_urls
 
 
 def test_a_user_workflow_with_a_plugin_modelfn_is_registered_with_the_sdk_and_generates(stack, tiny_models):
-    from libs.models.flux import (
-        FlowMatchEulerStep,
-        FluxClipEncoder,
-        FluxPrepareLatents,
-        FluxT5Encoder,
-        FluxTransformer,
-        FluxVaeDecode,
-    )
-    from libs.models.flux_workflows import flux_params
-    from libs.sdk import SDKError, Workflow, generate, register
+    from libs.sdk import SDKError, generate, register
     from libs.workflow import catalog
 
-    invert = catalog.load_class("example.invert")  # a user's package, found through its entry point
+    invert = catalog.load_class(plugin_flux.PLUGIN)  # a user's package, found through its entry point
     assert invert.__module__ == "t2i_example.fns"
-    m = "tiny-flux"
-    clip, t5, prep, flux, euler, vae = (
-        FluxClipEncoder(m),
-        FluxT5Encoder(m),
-        FluxPrepareLatents(m),
-        FluxTransformer(m),
-        FlowMatchEulerStep(m),
-        FluxVaeDecode(m),
-    )
-    with Workflow(
-        "inverted-flux",
-        params=flux_params(width=64, height=64, steps=2, max_sequence_length=64),
-        sizes=["64x64"],
-    ) as wf:
-        clip()
-        t5()
-        init = prep()
-        latents = wf.loop(
-            "num_inference_steps",
-            lambda step, latents: euler(noise_pred=flux(latents=latents), latents=latents),
-            latents=init.latents,
-        )
-        wf.output("image", invert()(image=vae(latents=latents)))
+    wf = plugin_flux.inverted_flux()
     stored = register(wf, base_url=stack.url, api_key=KEY)
     assert stored["created"] and stored["workflow"]["version"] == 1
     (png,) = generate("inverted-flux", "a red fox", base_url=stack.url, api_key=KEY, seed=3)

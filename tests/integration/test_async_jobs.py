@@ -27,6 +27,7 @@ from libs.workflow.spec import encode_spec
 from services.gateway import webhooks
 from tests.conftest import cleanup_namespace, free_port
 from tests.integration.test_gateway_stack import KEYS, call, write_profile
+from tests.support.stacks import sim_stack
 
 SECRET = "whsec-" + uuid.uuid4().hex
 ASYNC = {"Prefer": "respond-async"}
@@ -38,12 +39,8 @@ def stack(broker_urls, tmp_path_factory) -> Iterator[Stack]:
     tmp: Path = tmp_path_factory.mktemp("jobs-stack")
     write_profile(tmp / "profile.json")
     nats_url, redis_url = broker_urls
-    s = Stack(
-        namespace="t" + uuid.uuid4().hex[:10],
-        log_dir=tmp / "logs",
-        model_root=tmp,
-        gateway_port=free_port(),
-        executors=0,
+    s = sim_stack(
+        tmp,
         sim_executors=4,
         sim_profile=str(tmp / "profile.json"),
         api_keys=KEYS,

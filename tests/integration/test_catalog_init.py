@@ -8,33 +8,17 @@ import subprocess
 import sys
 
 import pytest
-from redis.asyncio import Redis
 
-from libs.common.nats_conn import connect
-from libs.common.registry_client import RegistryClient
 from libs.launcher.register import main as register_main
 from libs.models import families
-from libs.protocol.keys import Keys
-from libs.protocol.subjects import Subjects
-from libs.workflow import catalog
-from services.registry.service import RegistryService
-from services.registry.store import WorkflowStore
 from tests.conftest import REPO
+from tests.support.registry import running_registry
 
 
 @pytest.fixture
 async def registry(common):
-    nc = await connect(common.nats_url, "test-registry")
-    redis = Redis.from_url(common.redis_url)
-    subjects = Subjects(common.namespace)
-    service = RegistryService(
-        nc, WorkflowStore(redis, Keys(common.namespace)), catalog.signatures(), subjects
-    )
-    await service.start()
-    yield RegistryClient(nc, subjects, timeout=2.0)
-    await service.stop()
-    await nc.close()
-    await redis.aclose()
+    async with running_registry(common) as r:
+        yield r.client
 
 
 def run_init(common, tmp_path, *args: str, workflows: str = "") -> subprocess.CompletedProcess:

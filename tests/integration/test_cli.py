@@ -26,6 +26,7 @@ from libs.launcher.stack import Stack
 from libs.sim.workflows import sim_workflow
 from libs.workflow.spec import encode_spec
 from tests.support.stacks import sim_stack, started
+from tests.support.toyprofile import write_family_profile
 
 KEYS = "sk-cli-alice=alice,sk-cli-ops=ops:admin"
 TENANT, ADMIN = "sk-cli-alice", "sk-cli-ops"
@@ -40,22 +41,8 @@ def t2i_executable() -> str:
     return found
 
 
-def fig(v: float) -> dict:
-    return {"value": v, "tag": "D", "source": "test profile"}
-
-
 def write_profile(path: Path) -> None:
-    models = {}
-    for fam, dit in (("fast", 0.01), ("slow", 0.5)):
-        for part, exec_s in (("text", 0.001), ("prepare", 0.001), ("dit", dit), ("vae", 0.002)):
-            models[f"{fam}/{part}"] = {
-                "size_gb": fig(0.1),
-                "load_s": fig(0.001),
-                "exec_s": fig(exec_s),
-                "output_bytes": 1024,
-            }
-    profile = {"name": "test-cli", "description": "cli tests", "device": "sim", "gpu_memory_gb": fig(80)}
-    path.write_text(json.dumps({**profile, "models": models}))
+    write_family_profile(path, {"fast": 0.01, "slow": 0.5})
 
 
 @pytest.fixture(scope="module")

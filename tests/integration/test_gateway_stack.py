@@ -26,40 +26,24 @@ import pytest
 from libs.launcher.stack import Stack
 from libs.sim.workflows import sim_workflow
 from libs.workflow.spec import encode_spec
-from tests.conftest import cleanup_namespace, free_port
+from tests.conftest import cleanup_namespace
+from tests.support.stacks import sim_stack
+from tests.support.toyprofile import write_family_profile
 
 TENANT_INFLIGHT = 2
 KEYS = "sk-alice=alice,sk-bob=bob,sk-ops=ops:admin"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def fig(v: float) -> dict:
-    return {"value": v, "tag": "D", "source": "test profile"}
-
-
 def write_profile(path: Path) -> None:
-    models = {}
-    for fam, dit in (("fast", 0.002), ("slow", 0.75)):
-        for part, exec_s in (("text", 0.001), ("prepare", 0.001), ("dit", dit), ("vae", 0.002)):
-            models[f"{fam}/{part}"] = {
-                "size_gb": fig(0.1),
-                "load_s": fig(0.001),
-                "exec_s": fig(exec_s),
-                "output_bytes": 1024,
-            }
-    profile = {"name": "test-gw", "description": "gateway tests", "device": "sim", "gpu_memory_gb": fig(80)}
-    path.write_text(json.dumps({**profile, "models": models}))
+    write_family_profile(path, {"fast": 0.002, "slow": 0.75})
 
 
 def start_stack(broker_urls, tmp: Path, families: tuple[str, ...]) -> Stack:
     nats_url, redis_url = broker_urls
     write_profile(tmp / "profile.json")
-    stack = Stack(
-        namespace="t" + uuid.uuid4().hex[:10],
-        log_dir=tmp / "logs",
-        model_root=tmp,
-        gateway_port=free_port(),
-        executors=0,
+    stack = sim_stack(
+        tmp,
         sim_executors=4,
         sim_profile=str(tmp / "profile.json"),
         api_keys=KEYS,

@@ -8,69 +8,30 @@ import time
 
 import msgspec
 import pytest
-from redis.asyncio import Redis
 
-from libs.common.nats_conn import connect
-from libs.common.registry_client import RegistryClient
 from libs.protocol.adverts import AdvertAck, ModelFnAdvert, advertise_subject
-from libs.protocol.keys import Keys
-from libs.protocol.subjects import Subjects
 from libs.workflow import catalog
 from libs.workflow.modelfn import Signature
 from libs.workflow.spec import encode_spec
 from services.executor.advertise import Advertiser
-from services.registry.service import RegistryService
-from services.registry.store import AdvertStore, WorkflowStore
+from services.registry.store import AdvertStore
+from tests.support import plugin_flux
+from tests.support.registry import running_registry
 
-PLUGIN = "example.invert"  # tests/plugins/t2i_example: installed here, but not in this registry
+PLUGIN = plugin_flux.PLUGIN  # tests/plugins/t2i_example: installed here, but not in this registry
 
 
 @pytest.fixture
 async def registry(common):
     """A registry whose own catalog lacks the plugin, as in a control image without it."""
-    nc = await connect(common.nats_url, "test-registry")
-    redis = Redis.from_url(common.redis_url)
-    subjects = Subjects(common.namespace)
     own = {n: s for n, s in catalog.signatures().items() if n != PLUGIN}
-    service = RegistryService(nc, WorkflowStore(redis, Keys(common.namespace)), own, subjects)
-    await service.start()
-    yield RegistryClient(nc, subjects, timeout=2.0), nc, service
-    await service.stop()
-    await nc.close()
-    await redis.aclose()
+    async with running_registry(common, own) as r:
+        yield r.client, r.nc, r.service
 
 
 def inverted_flux(fn: str = PLUGIN) -> bytes:
     """tiny-flux with a post-processing node of ModelFn ``fn`` on its image."""
-    from libs.models.flux import (
-        FlowMatchEulerStep,
-        FluxClipEncoder,
-        FluxPrepareLatents,
-        FluxT5Encoder,
-        FluxTransformer,
-        FluxVaeDecode,
-    )
-    from libs.models.flux_workflows import flux_params
-    from libs.sdk import Workflow
-
-    m = "tiny-flux"
-    clip, t5, prep, flux = FluxClipEncoder(m), FluxT5Encoder(m), FluxPrepareLatents(m), FluxTransformer(m)
-    euler, vae, invert = FlowMatchEulerStep(m), FluxVaeDecode(m), catalog.load_class(PLUGIN)()
-    with Workflow(
-        "inverted-flux",
-        params=flux_params(width=64, height=64, steps=2, max_sequence_length=64),
-        sizes=["64x64"],
-    ) as wf:
-        clip()
-        t5()
-        init = prep()
-        latents = wf.loop(
-            "num_inference_steps",
-            lambda step, latents: euler(noise_pred=flux(latents=latents), latents=latents),
-            latents=init.latents,
-        )
-        wf.output("image", invert(image=vae(latents=latents)))
-    spec = wf.spec()
+    spec = plugin_flux.inverted_flux().spec()
     spec.body[-1].fn = fn
     return encode_spec(spec)
 

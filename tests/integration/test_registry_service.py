@@ -6,35 +6,20 @@ import json
 
 import msgspec
 import pytest
-from redis.asyncio import Redis
 
-from libs.common.nats_conn import connect
-from libs.common.registry_client import RegistryClient, RegistryUnavailable, WorkflowNotFound
+from libs.common.registry_client import RegistryUnavailable, WorkflowNotFound
 from libs.models.flux_workflows import tiny_flux
-from libs.protocol.keys import Keys
 from libs.protocol.messages import registry_reply_decoder
-from libs.protocol.subjects import Subjects
-from libs.workflow import catalog
 from libs.workflow.spec import encode_spec
-from services.registry.service import RegistryService
-from services.registry.store import WorkflowStore
+from tests.support.registry import running_registry
 
 
 @pytest.fixture
 async def registry(common):
-    nc = await connect(common.nats_url, "test-registry")
-    redis = Redis.from_url(common.redis_url)
-    subjects = Subjects(common.namespace)
-    service = RegistryService(
-        nc, WorkflowStore(redis, Keys(common.namespace)), catalog.signatures(), subjects
-    )
-    await service.start()
-    client = RegistryClient(nc, subjects, timeout=1.0)
-    client.service = service  # a test may stop it (stop is idempotent)
-    yield client, nc, subjects
-    await service.stop()
-    await nc.close()
-    await redis.aclose()
+    async with running_registry(common, client_timeout_s=1.0) as r:
+        client = r.client
+        client.service = r.service  # a test may stop it (stop is idempotent)
+        yield client, r.nc, r.subjects
 
 
 def spec_json(**changes) -> bytes:

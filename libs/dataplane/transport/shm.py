@@ -29,7 +29,6 @@ Segments are created with mode 0600: only processes of the executor's user can m
 
 from __future__ import annotations
 
-import _posixshmem  # type: ignore[import-not-found]  # what multiprocessing.shared_memory uses
 import logging
 import os
 import secrets
@@ -120,19 +119,6 @@ def _layout(seg: Segment) -> _Peer:
                 return _Peer(seg, capacity, tags, room // TAG.size, header, incarnation)
             return _Peer(seg, capacity, seg.view[capacity : capacity + room], room // TAG.size)
     return _Peer(seg, seg.size, seg.view[0:0], 0)
-
-
-def _named_ident(name: str) -> tuple[int, int] | None:
-    """(device, inode) of the segment now called ``name``; None when there is none."""
-    try:
-        fd = _posixshmem.shm_open("/" + name, os.O_RDONLY, mode=0)
-    except FileNotFoundError:
-        return None
-    try:
-        st = os.fstat(fd)
-    finally:
-        os.close(fd)
-    return (st.st_dev, st.st_ino)
 
 
 def retire_segment(name: str) -> bool:
@@ -234,7 +220,8 @@ class ShmTransport(Transport):
             if fd >= 0:
                 os.close(fd)
                 shm._fd = -1  # type: ignore[attr-defined]
-        if _named_ident(shm.name) != getattr(self, "_ident", None):
+        now = Segment.current_ident(shm.name)
+        if now is None or now[:2] != getattr(self, "_ident", None):
             # Gone, or a successor's segment under our name: removing the name would cut its
             # readers off. Nor may the resource tracker remove it when this process exits.
             log.info("segment %s now belongs to a successor (or is gone): left in place", shm.name)
