@@ -292,17 +292,30 @@ class Bridge:
         ``{"type": "node", ...}`` per finished node, and a last ``{"type": "end", ...}``."""
         if not STREAM_ID.match(last_id):
             raise ValueError(f"last_id must be a stream entry id like 1733000000000-0, not {last_id!r}")
-        key = self.keys.events(request_id)
-        reply = await self.redis.xread({key: last_id}, count=count, block=block_ms or None)
-        out: list[tuple[str, dict]] = []
-        for _stream, entries in reply or []:
+        out = []
+        for _rid, eid, event in await self.read_events({request_id: last_id}, block_ms, count):
+            if event is None:
+                log.warning("skipped a malformed event %s of %s", eid, request_id)
+            else:
+                out.append((eid, event))
+        return out
+
+    async def read_events(
+        self, after: dict[str, str], block_ms: int, count: int
+    ) -> list[tuple[str, str, dict | None]]:
+        """One read of several requests' progress streams, each after its entry id:
+        ``[(request id, entry id, event or None when malformed), ...]`` in stream order."""
+        keys = {self.keys.events(rid): rid for rid in after}
+        streams = {key: after[rid] for key, rid in keys.items()}
+        reply = await self.redis.xread(streams, count=count, block=block_ms or None)
+        out: list[tuple[str, str, dict | None]] = []
+        for raw_key, entries in reply or []:
+            rid = keys[raw_key.decode() if isinstance(raw_key, bytes) else raw_key]
             for entry_id, fields in entries:
                 eid = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
                 try:
-                    event = msgspec.json.decode(fields[b"data"])
-                except (KeyError, msgspec.DecodeError) as e:
-                    log.warning("skipped a malformed event %s of %s: %s", eid, request_id, e)
-                    continue
-                if isinstance(event, dict):
-                    out.append((eid, event))
+                    event = msgspec.json.decode(fields.get(b"data") or b"")
+                except msgspec.DecodeError:
+                    event = None
+                out.append((rid, eid, event if isinstance(event, dict) else None))
         return out

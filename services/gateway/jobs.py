@@ -265,32 +265,17 @@ def format_cursor(cursor: list[str]) -> str:
     return ",".join(f"{i}:{entry}" for i, entry in enumerate(cursor) if entry != "0-0")
 
 
-def events_key(bridge: Bridge, request_id: str) -> str:
-    key = getattr(bridge.keys, "events", None)
-    return key(request_id) if callable(key) else f"{bridge.keys.ns}:events:{request_id}"
-
-
 async def read_events(
     bridge: Bridge, rec: GenerationRecord, cursor: list[str], block_ms: int
 ) -> list[tuple[int, str, dict[str, Any]]]:
     """The next entries of the call's streams after ``cursor``: (image index, entry id, event)."""
-    streams = {events_key(bridge, rid): cursor[i] for i, rid in enumerate(rec.request_ids)}
-    index = {key: i for i, key in enumerate(streams)}
-    reply = await bridge.redis.xread(streams, count=EVENTS_PER_READ, block=block_ms)
-    out = []
-    for raw_key, entries in reply or []:
-        i = index[raw_key.decode() if isinstance(raw_key, bytes) else raw_key]
-        for raw_id, fields in entries:
-            entry = raw_id.decode() if isinstance(raw_id, bytes) else raw_id
-            try:
-                event = msgspec.json.decode(fields.get(b"data") or fields.get("data") or b"")
-            except msgspec.DecodeError:
-                event = None
-            if isinstance(event, dict):
-                out.append((i, entry, event))
-            else:  # still moves the cursor, so a bad entry is not read again
-                out.append((i, entry, {"type": "invalid"}))
-    return out
+    index = {rid: i for i, rid in enumerate(rec.request_ids)}
+    after = {rid: cursor[i] for rid, i in index.items()}
+    return [
+        # A malformed entry still moves the cursor, so it is not read again.
+        (index[rid], entry, event if event is not None else {"type": "invalid"})
+        for rid, entry, event in await bridge.read_events(after, block_ms, EVENTS_PER_READ)
+    ]
 
 
 def sse(event: str | None, data: object | None = None, event_id: str | None = None) -> bytes:
