@@ -56,6 +56,8 @@ NODE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 
 REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600)
 HTTP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 TIERS = ("gpu", "host", "disk")
+# An event loop's lag: a healthy loop answers a probe within a millisecond or two.
+LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
 class _Children:
@@ -194,7 +196,27 @@ class SchedulerMetrics(ServiceMetrics):
         self.leading = Gauge(
             "t2i_scheduler_leading", "1 while this scheduler holds the lease", registry=self.registry
         )
+        # The event loop's lag (libs/common/watchdog.py): how long ready work waited to run.
+        self.loop_lag = Histogram(
+            "t2i_scheduler_loop_lag_seconds",
+            "how long a probe waited on the scheduler's event loop before it ran",
+            buckets=LAG_BUCKETS,
+            registry=self.registry,
+        )
+        self.loop_lag_max = Gauge(
+            "t2i_scheduler_loop_lag_max_seconds",
+            "the longest the scheduler's event loop kept a probe waiting, since this reign began",
+            registry=self.registry,
+        )
+        self._lag_max = 0.0
         self._tenants: set[str] = set()
+
+    def lagged(self, seconds: float) -> None:
+        """The watchdog's probe waited ``seconds`` on the loop."""
+        self.loop_lag.observe(seconds)
+        if seconds > self._lag_max:
+            self._lag_max = seconds
+            self.loop_lag_max.set(seconds)
 
     def dispatched(self, d: Any) -> None:
         """A ``Dispatch`` went out (called by the shell per ``SendDispatch``)."""

@@ -7,6 +7,7 @@ flight than it has connections (a burst of requests at the gateway did exactly t
 
 from __future__ import annotations
 
+import redis
 from redis.asyncio import BlockingConnectionPool, Redis
 
 MAX_CONNECTIONS = 64
@@ -15,6 +16,12 @@ MAX_CONNECTIONS = 64
 def connect_redis(url: str, max_connections: int = MAX_CONNECTIONS, timeout: float = 10.0) -> Redis:
     pool = BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=timeout)
     return Redis(connection_pool=pool)
+
+
+def connect_redis_sync(url: str, timeout_s: float) -> redis.Redis:
+    """A blocking client for a thread of its own (the scheduler's lease keeper): every connect,
+    read and write gives up after ``timeout_s``, so one hung call cannot hold the thread longer."""
+    return redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
 
 
 # A key held by an owner token (a lease): renewed or deleted only by its holder, atomically.

@@ -1,10 +1,7 @@
-"""``python -m services.scheduler``: wire config, NATS, Redis, the policy and the core together.
-
-A scheduler that loses its lease (Redis away for longer than the lease, another took over) steps
-down: its ``run`` raises :class:`LeaseLost`. The process does not exit then; it builds itself anew
-(fresh connections, an empty core: what it knew may be stale) and waits as a standby, so a Redis
-blip under ``make run``, where nothing restarts a process, does not leave the platform without a
-scheduler.
+"""``python -m services.scheduler``: wire config, NATS, Redis, the lease, the policy and the core
+together, one reign at a time (``succession.py``: a scheduler that steps down builds itself anew
+and waits as a standby, so a Redis blip under ``make run``, where nothing restarts a process, does
+not leave the platform without a scheduler).
 """
 
 from __future__ import annotations
@@ -17,17 +14,19 @@ from libs.common.config import load_config
 from libs.common.logs import setup_logging
 from libs.common.metrics import SchedulerMetrics, serve_metrics
 from libs.common.nats_conn import connect
-from libs.common.redis_conn import connect_redis
-from libs.common.service import own, serve
+from libs.common.redis_conn import connect_redis, connect_redis_sync
+from libs.common.runner import run_service
+from libs.common.service import own
 from libs.common.settings import common_settings
 from libs.protocol.keys import Keys
 from libs.protocol.subjects import Subjects
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.core import SchedulerCore
 from services.scheduler.deployment import Deployment
-from services.scheduler.lease import LeaseLost
+from services.scheduler.lease import Lease
 from services.scheduler.policy import get_policy
 from services.scheduler.service import SchedulerService
+from services.scheduler.succession import Succession
 
 log = logging.getLogger(__name__)
 
@@ -59,29 +58,23 @@ async def build(stack: AsyncExitStack) -> SchedulerService:
     )
     metrics = SchedulerMetrics()
     await serve_metrics(stack, metrics, host=common.metrics_host, port=common.metrics_port)
+    keys = Keys(common.namespace)
+    # The keeper thread's own connection; one call never outlasts a third of the TTL.
+    timeout_s = min(1.0, cfg.lease_ttl_s / 3)
+    lease = Lease(
+        lambda: connect_redis_sync(common.redis_url, timeout_s), keys, cfg.lease_ttl_s, cfg.lease_poll_s
+    )
     return SchedulerService(
         metrics=metrics,
+        lease=lease,
         nc=nc,
         redis=redis,
         subjects=Subjects(common.namespace),
-        keys=Keys(common.namespace),
+        keys=keys,
         core=core,
         cfg=cfg,
     )
 
 
-async def serve_again_after_stepping_down() -> None:
-    """Serve; after stepping down, serve again as a standby. Any other end is the process's end."""
-    while True:
-        try:
-            await serve(build)
-            return  # a stop signal
-        except RuntimeError as e:
-            if not isinstance(e.__cause__, LeaseLost):
-                raise
-            log.warning("stepped down (%s): starting again as a standby", e.__cause__)
-        await asyncio.sleep(1.0)
-
-
 if __name__ == "__main__":
-    asyncio.run(serve_again_after_stepping_down())
+    asyncio.run(run_service(Succession(build).run()))

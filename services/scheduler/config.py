@@ -47,8 +47,11 @@ class SchedulerConfig(msgspec.Struct, forbid_unknown_fields=True):
     # that crashed or lost it) is answered with a failed result ("internal") instead of taken in.
     max_deliveries: int = 10
     result_retry_s: float = 3600.0  # how long the final write of a result to Redis is retried
-    # The leader lease (lease.py, docs/scheduling.md "Fail-over"): renewed every lease_ttl_s / 3; a
-    # leader that cannot renew it within lease_ttl_s (Redis away that long too) steps down and exits.
-    # A standby polls for it every lease_poll_s.
+    # The leader lease (lease.py, docs/scheduling.md "Fail-over"), kept by a thread of its own:
+    # renewed every lease_ttl_s / 3; a leader whose lease is gone, or that could not reach Redis for
+    # lease_ttl_s, steps down and starts again as a standby, which polls for it every lease_poll_s.
     lease_ttl_s: float = 3.0
     lease_poll_s: float = 0.5
+    # A stall of the event loop longer than this is logged with the stack of the code that blocks
+    # it (libs/common/watchdog.py); every stall is observed in t2i_scheduler_loop_lag_seconds.
+    loop_report_s: float = 0.5

@@ -63,6 +63,8 @@ class Dispatcher:
         while True:
             await self._wake.wait()
             self._wake.clear()
+            if not svc.lease.valid():  # not renewed for a TTL yet: sent once it is, or dropped
+                await svc.lease.wait_valid()
             batch, self._queue = self._queue, []
             if not svc.leading:
                 continue

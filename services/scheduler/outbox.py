@@ -121,7 +121,7 @@ class Outbox:
         if persists:
             jobs.append(self._persist_many(persists))
         if charges:
-            jobs.append(self.svc.vtimes.apply_many(charges))
+            jobs.append(self._charge(charges))
         for what, res in zip(
             ["request state"] * bool(persists) + ["vTime"] * bool(charges),
             await asyncio.gather(*jobs, return_exceptions=True),
@@ -131,6 +131,16 @@ class Outbox:
                 self.svc.step_down(str(res))
             elif isinstance(res, BaseException):
                 self._io_failed(what, res)
+
+    async def _charge(self, charges: list[ChargeVTime]) -> None:
+        """The vTime changes, once the lease is certainly ours (the script's epoch check is the
+        safety net behind this); dropped if this scheduler steps down meanwhile."""
+        lease = self.svc.lease
+        if not lease.valid():
+            await lease.wait_valid()
+            if not self.svc.leading:
+                return
+        await self.svc.vtimes.apply_many(charges)
 
     def _io_failed(self, what: str, ex: BaseException) -> None:
         if is_transient(ex):  # Redis or NATS briefly away: the in-memory state stays right

@@ -12,11 +12,13 @@ with retries (``result_retry_s``): a Redis outage delays only that write, never 
 never causes a recompute (the message is acked whatever Redis does).
 
 Only the leader acts (``lease.py``, ``docs/scheduling.md`` "Fail-over"): :meth:`start` waits (a
-standby, polling) until it holds the scheduler lease; then every dispatch, cancel and release it
-sends carries its lease epoch, and so does every vTime write. It steps down — the long-lived loops
-end with :class:`LeaseLost`, the process exits for its supervisor to restart it as a standby — as
-soon as it cannot renew the lease within its TTL, finds it taken, or is told its epoch is stale
-(by the vTime script, or by an executor refusing a dispatch).
+standby) until it holds the scheduler lease; then every dispatch, cancel and release it sends
+carries its lease epoch, and so does every vTime write, and dispatches and vTime writes wait while
+the lease is not certainly valid (its keeper thread renews it off this loop, so a stalled loop does
+not lose it). It steps down — the long-lived loops end with :class:`LeaseLost`, and
+``succession.py`` builds a fresh service that waits as a standby — when the keeper finds the lease
+gone or could not reach Redis for a whole TTL, or when it is told its epoch is stale (by the vTime
+script, or by an executor refusing a dispatch).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from libs.common.logs import bind_request
 from libs.common.metrics import SchedulerMetrics
 from libs.common.registry_client import RegistryClient
 from libs.common.service import run_all
+from libs.common.watchdog import LoopWatchdog
 from libs.protocol.ids import NodeRef
 from libs.protocol.keys import Keys
 from libs.protocol.messages import (
@@ -95,6 +98,7 @@ class SchedulerService:
         keys: Keys,
         core: SchedulerCore,
         cfg: SchedulerConfig,
+        lease: Lease,
         metrics: SchedulerMetrics | None = None,
     ) -> None:
         self.nc = nc
@@ -107,7 +111,9 @@ class SchedulerService:
         self.cfg = cfg
         self.registry = RegistryClient(nc, subjects, timeout=cfg.registry_timeout_s)
         self.vtimes = VTimeStore(redis, keys)
-        self.lease = Lease(redis, keys, cfg.lease_ttl_s)
+        self.lease = lease
+        # Stalls of this event loop: observed, and the blocking code's stack logged (watchdog.py).
+        self.watchdog = LoopWatchdog("scheduler", report_s=cfg.loop_report_s, observe=self.metrics.lagged)
         self._down = asyncio.Event()  # set when this leader must step down
         self._down_reason = ""
         self.intake = Intake(
@@ -142,23 +148,10 @@ class SchedulerService:
         return self.lease.epoch
 
     async def _acquire_lease(self) -> None:
-        """Wait until this scheduler holds the lease (a standby polls every ``lease_poll_s``)."""
-        said = False
-        while True:
-            try:
-                if await self.lease.try_acquire():
-                    break
-                if not said:
-                    said = True
-                    log.info(
-                        "scheduler standby (namespace %s): the lease is held by %s; polling for it",
-                        self.subjects.ns, await self.lease.holder_now(),
-                    )  # fmt: skip
-            except Exception as e:  # noqa: BLE001 - Redis away: keep polling
-                if not is_transient(e):
-                    raise
-                log.warning("taking the scheduler lease failed: %s: %s", type(e).__name__, e)
-            await asyncio.sleep(self.cfg.lease_poll_s)
+        """Wait (a standby: the lease's keeper thread polls every ``lease_poll_s``) until this
+        scheduler holds the lease; from then on the keeper renews it, and tells :meth:`step_down`
+        if it is lost."""
+        await self.lease.acquire(on_lost=self.step_down)
         self.vtimes.epoch = self.intake.epoch = self.lease.epoch
         self.metrics.leading.set(1)
         log.info(
@@ -174,6 +167,7 @@ class SchedulerService:
             log.error("stepping down as the leading scheduler (epoch %d): %s", self.lease.epoch, reason)
 
     async def start(self) -> None:
+        self.watchdog.start()
         await self._acquire_lease()
         vtime, ops, service = await self.vtimes.load()
         self.core.accounts.load(vtime, ops, service)
@@ -221,33 +215,13 @@ class SchedulerService:
         )
 
     async def lease_loop(self) -> None:
-        """Renew the lease every ttl/3; raise :class:`LeaseLost` (ending ``run``: the process exits,
-        for its supervisor to restart it as a standby) when it is lost or cannot be renewed in time."""
-        ttl = self.cfg.lease_ttl_s
-        wait = ttl / 3
-        while True:
-            left = self.lease.valid_until - time.monotonic()
-            try:
-                await asyncio.wait_for(self._down.wait(), max(0.0, min(wait, left)))
-            except TimeoutError:
-                pass
-            if self._down.is_set():
-                raise LeaseLost(f"{self._down_reason}: exiting to restart as a standby")
-            left = self.lease.valid_until - time.monotonic()
-            if left <= 0:
-                self.step_down(f"the lease could not be renewed within its {ttl:g} s TTL")
-                continue
-            try:
-                renewed = await asyncio.wait_for(self.lease.renew(), left)
-            except Exception as e:  # noqa: BLE001 - Redis away or slow: retried until the TTL passes
-                log.warning("renewing the scheduler lease failed: %s: %s", type(e).__name__, e)
-                wait = min(0.2, ttl / 3)
-                continue
-            if not renewed:
-                self.step_down("the lease is no longer ours (it expired, or another scheduler took it)")
-            wait = ttl / 3
+        """End ``run`` with :class:`LeaseLost` once this scheduler steps down (the lease's keeper
+        thread renews the lease, off this loop: ``lease.py``)."""
+        await self._down.wait()
+        raise LeaseLost(f"{self._down_reason}: starting again as a standby")
 
     async def stop(self) -> None:
+        self.watchdog.stop()
         if self._pull is not None:
             # nats-py's drain waits for a pull subscription's queue to empty, which status messages
             # arriving after the last fetch never do: unsubscribe it first.
@@ -269,10 +243,7 @@ class SchedulerService:
         for t in [*self._tasks, *self._finishing, *self.intake.taking.values()]:
             t.cancel()
         # A clean stop hands the lease over at once (a crash leaves it to expire after its TTL).
-        try:
-            await asyncio.wait_for(self.lease.release(), 1.0)
-        except Exception as e:  # noqa: BLE001 - Redis away: it expires by itself
-            log.warning("releasing the scheduler lease failed: %s: %s", type(e).__name__, e)
+        await self.lease.release()
 
     # -- intake ---------------------------------------------------------------------------------------
     async def intake_loop(self) -> None:

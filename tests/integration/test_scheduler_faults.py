@@ -28,7 +28,8 @@ from redis.asyncio import Redis
 
 from libs.common.jetstream import ensure_images_bucket, ensure_intake_stream
 from libs.common.nats_conn import connect
-from libs.common.redis_conn import connect_redis
+from libs.common.redis_conn import connect_redis, connect_redis_sync
+from libs.common.service import own
 from libs.protocol.keys import Keys
 from libs.protocol.messages import (
     ExecutorGoodbye,
@@ -50,8 +51,11 @@ from services.registry.service import RegistryService
 from services.registry.store import WorkflowStore
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.core import SchedulerCore
+from services.scheduler.lease import Lease
 from services.scheduler.policy import get_policy
 from services.scheduler.service import SchedulerService
+from services.scheduler.succession import Succession
+from tests.support.waiting import until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -159,7 +163,8 @@ class World:
         self.closers: list = []
         self.executors: dict[str, ExecutorService] = {}
         self.registry: RegistryService | None = None
-        self.scheduler: SchedulerService | None = None
+        self.successions: list[Succession] = []  # scheduler processes, each in a task
+        self.succession_tasks: list[asyncio.Task] = []
         self.proxy: Proxy | None = None
 
     async def __aenter__(self) -> World:
@@ -179,8 +184,9 @@ class World:
     async def __aexit__(self, *exc) -> None:
         for ex in self.executors.values():
             await ex.stop()
-        if self.scheduler is not None:
-            await self.scheduler.stop()
+        for t in self.succession_tasks:  # a clean stop of each scheduler process
+            t.cancel()
+        await asyncio.gather(*self.succession_tasks, return_exceptions=True)
         await self.stop_registry()
         for t in self.tasks:
             t.cancel()
@@ -193,31 +199,52 @@ class World:
         await self.redis.aclose()
         await self.nc.close()
 
-    def _run(self, coro) -> None:
-        self.tasks.append(asyncio.create_task(coro))
+    def _run(self, coro) -> asyncio.Task:
+        t = asyncio.create_task(coro)
+        self.tasks.append(t)
+        return t
+
+    @property
+    def scheduler(self) -> SchedulerService | None:
+        """The first scheduler process's current service (the leader, in most tests)."""
+        return self.successions[0].current if self.successions else None
 
     async def start_scheduler(self, via_proxy: bool = False, **settings) -> SchedulerService:
-        self.scheduler = await self.build_scheduler(via_proxy, **settings)
-        await self.scheduler.start()
-        self._run(self.scheduler.run())
-        return self.scheduler
+        """A scheduler process (a :class:`Succession`, as ``python -m services.scheduler`` runs),
+        once it leads."""
+        succession = self.add_scheduler(via_proxy, **settings)
+        assert await until(lambda: succession.leading, 30.0), "the scheduler did not take the lease"
+        assert succession.current is not None
+        return succession.current
 
-    async def build_scheduler(self, via_proxy: bool = False, **settings) -> SchedulerService:
-        """A scheduler not started yet (its own NATS and Redis connections)."""
+    def add_scheduler(self, via_proxy: bool = False, **settings) -> Succession:
+        """A scheduler process running in this event loop: it leads once it takes the lease, and
+        after stepping down starts again as a standby (its own connections each time)."""
         # Through the proxy, Redis outages outlast the default lease TTL (a leader that cannot renew
         # its lease steps down): these tests are about the scheduler riding them out.
-        lease = {"lease_ttl_s": 60.0} if via_proxy else {}
-        cfg = SchedulerConfig(**{"heartbeat_timeout_s": 5.0, "tick_s": 0.1, **lease, **settings})
+        lease_ttl = {"lease_ttl_s": 60.0} if via_proxy else {}
+        cfg = SchedulerConfig(**{"heartbeat_timeout_s": 5.0, "tick_s": 0.1, **lease_ttl, **settings})
+        succession = Succession(lambda stack: self._build_scheduler(stack, cfg, via_proxy))
+        task = self._run(succession.run())
+        self.successions.append(succession)
+        self.succession_tasks.append(task)
+        return succession
+
+    async def _build_scheduler(
+        self, stack: contextlib.AsyncExitStack, cfg: SchedulerConfig, via_proxy: bool
+    ) -> SchedulerService:
         redis_url = self.common.redis_url
         if via_proxy:
-            host_port = redis_url.split("//", 1)[1].split("/", 1)[0]
-            host, port = host_port.rsplit(":", 1)
-            self.proxy = Proxy(host, int(port))
-            await self.proxy.start()
+            if self.proxy is None:
+                host_port = redis_url.split("//", 1)[1].split("/", 1)[0]
+                host, port = host_port.rsplit(":", 1)
+                self.proxy = Proxy(host, int(port))
+                await self.proxy.start()
             redis_url = f"redis://127.0.0.1:{self.proxy.listen}/0"
         nc = await connect(self.common.nats_url, "scheduler")
+        own(stack, nc.close, "nats")
         redis = connect_redis(redis_url)
-        self.closers += [nc.close, redis.aclose]
+        own(stack, redis.aclose, "redis")
         core = SchedulerCore(
             get_policy(cfg.policy, cfg.slack_s),
             heartbeat_timeout_s=cfg.heartbeat_timeout_s,
@@ -226,8 +253,12 @@ class World:
             node_time_limit_s=cfg.node_time_limit_s,
             node_time_factor=cfg.node_time_factor,
         )
+        timeout_s = min(1.0, cfg.lease_ttl_s / 3)
+        lease = Lease(
+            lambda: connect_redis_sync(redis_url, timeout_s), self.keys, cfg.lease_ttl_s, cfg.lease_poll_s
+        )
         return SchedulerService(
-            nc=nc, redis=redis, subjects=self.subjects, keys=self.keys, core=core, cfg=cfg
+            nc=nc, redis=redis, subjects=self.subjects, keys=self.keys, core=core, cfg=cfg, lease=lease
         )
 
     async def start_registry(self) -> None:
@@ -299,15 +330,12 @@ class World:
     async def consumer(self):
         return await self.js.consumer_info(self.subjects.intake_stream, self.subjects.intake_durable)
 
-
-async def until(cond, within_s: float, step: float = 0.02) -> bool:
-    """Whether ``cond()`` (a function, or an async one) came true within ``within_s`` seconds."""
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        if await cond() if asyncio.iscoroutinefunction(cond) else cond():
-            return True
-        await asyncio.sleep(step)
-    return False
+    async def drained(self) -> bool:
+        """Whether every request submitted has been acked: no scheduler holds one any more, so
+        every result there will be was published (a result goes out before its ack, on the same
+        connection, so it reached our subscription before this answer did)."""
+        info = await self.consumer()
+        return info.num_ack_pending == 0 and info.num_pending == 0
 
 
 @pytest.fixture
@@ -334,7 +362,7 @@ async def test_requests_submitted_while_the_registry_is_unreachable_all_complete
     results = await world.wait_results(ids, within_s=30.0)
     assert sorted(results) == sorted(ids), f"lost {set(ids) - set(results)}"
     assert {r.status for r in results.values()} == {"succeeded"}, results
-    assert await until(_drained(world), 5.0)  # acked once each result is stored (just after it is published)
+    assert await until(world.drained, 5.0)  # acked once each result is stored (just after it is published)
     info = await world.consumer()
     assert info.num_redelivered == 0 and info.num_ack_pending == 0 and info.num_pending == 0
     assert info.config.max_deliver == -1
@@ -353,7 +381,7 @@ async def test_requests_taken_in_while_redis_is_unreachable_complete_when_it_ret
     world.proxy.restore()
     results = await world.wait_results(ids, within_s=30.0)
     assert sorted(results) == sorted(ids) and {r.status for r in results.values()} == {"succeeded"}
-    assert await until(_drained(world), 5.0)  # acked once each result is stored (just after it is published)
+    assert await until(world.drained, 5.0)  # acked once each result is stored (just after it is published)
     info = await world.consumer()
     assert info.num_redelivered == 0 and info.num_ack_pending == 0
 
@@ -374,15 +402,7 @@ async def test_a_malformed_request_with_an_id_is_answered_and_one_without_is_dro
     await world.js.publish(world.subjects.intake, b"not json")
     results = await world.wait_results(["bad-1"], within_s=5.0)
     assert results["bad-1"].status == "failed" and results["bad-1"].error_code == "internal"
-    assert await until(_drained(world), 5.0)
-
-
-def _drained(world: World):
-    async def check() -> bool:
-        info = await world.consumer()
-        return info.num_ack_pending == 0 and info.num_pending == 0
-
-    return check
+    assert await until(world.drained, 5.0)
 
 
 async def test_an_unknown_workflow_and_bad_params_are_answered_not_dropped(world):
@@ -394,7 +414,7 @@ async def test_an_unknown_workflow_and_bad_params_are_answered_not_dropped(world
         await world.js.publish(world.subjects.intake, encode(req))
     results = await world.wait_results(["unknown-1", "badp-1"], within_s=10.0)
     assert results["unknown-1"].error_code == "workflow" and results["badp-1"].error_code == "bad_params"
-    assert await until(_drained(world), 5.0)
+    assert await until(world.drained, 5.0)
 
 
 # -- 3. deadlines from submission ----------------------------------------------------------------------------
@@ -406,7 +426,7 @@ async def test_a_request_already_past_its_deadline_is_answered_timeout_at_once_a
     results = await world.wait_results([rid], within_s=5.0)
     assert results[rid].status == "failed" and results[rid].error_code == "timeout", results
     assert time.monotonic() - t0 < 3.0 and ex.nodes_run == 0
-    assert await until(_drained(world), 5.0)
+    assert await until(world.drained, 5.0)
     stored = await world.redis.hget(world.keys.request(rid), "result")
     assert stored is not None and result_decoder.decode(stored).error_code == "timeout"
 
