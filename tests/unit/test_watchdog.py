@@ -8,6 +8,7 @@ import logging
 import time
 
 from libs.common.watchdog import LoopWatchdog
+from tests.support.waiting import until
 
 
 def _hold_the_loop_until_reported(wd: LoopWatchdog, cap_s: float = 30.0) -> None:
@@ -22,14 +23,13 @@ async def test_a_blocked_loop_is_reported_with_the_blocking_code_and_its_lag_obs
     wd = LoopWatchdog("test", every_s=0.01, report_s=0.05, observe=lags.append)
     wd.start()
     try:
-        while wd.probes < 3:  # a healthy loop: probes run
-            await asyncio.sleep(0.01)
+        assert await until(lambda: wd.probes >= 3), "no probe ran on a healthy loop"
         with caplog.at_level(logging.WARNING, logger="libs.common.watchdog"):
             _hold_the_loop_until_reported(wd)
             assert wd.reported == 1
             seen = wd.probes
-            while wd.probes == seen:  # the probe that waited through the stall runs now
-                await asyncio.sleep(0.01)
+            # The probe that waited through the stall runs now.
+            assert await until(lambda: wd.probes > seen), "the waiting probe never ran"
     finally:
         wd.stop()
     blocked = [r.getMessage() for r in caplog.records if "blocked for over" in r.getMessage()]
@@ -42,8 +42,7 @@ async def test_a_blocked_loop_is_reported_with_the_blocking_code_and_its_lag_obs
 async def test_a_stopped_watchdog_sends_no_more_probes():
     wd = LoopWatchdog("test", every_s=0.01)
     wd.start()
-    while wd.probes < 2:
-        await asyncio.sleep(0.01)
+    assert await until(lambda: wd.probes >= 2), "no probe ran"
     wd.stop()
     assert wd._thread is not None  # noqa: SLF001
     await asyncio.to_thread(wd._thread.join, 10.0)  # noqa: SLF001
