@@ -37,6 +37,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import sys
 import time
 import uuid
@@ -69,6 +70,58 @@ def critical_path(spec, profile) -> tuple[int, float, int]:
         best[nid] = (work + profile.model(node.model).exec_s.value, n + 1)
     work, nodes = max(best.values())
     return nodes, work, len(dag.nodes)
+
+
+def loop_lag(stack: Stack) -> dict:
+    """The scheduler's event-loop lag over the run (its watchdog's metrics, scraped; the stalls it
+    reported, with the innermost frame of each blocking stack, from its log)."""
+    import re
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    log_text = stack.read_log("scheduler")
+    urls = re.findall(r"scheduler metrics on (http://\S+?/metrics)", log_text)
+    if not urls:
+        return {}
+    with urllib.request.urlopen(urls[-1], timeout=10) as r:  # noqa: S310 - our own 127.0.0.1 endpoint
+        text = r.read().decode()
+    buckets: list[tuple[float, float]] = []
+    worst = count = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "t2i_scheduler_loop_lag_seconds_bucket":
+                buckets.append((float(sample.labels["le"]), sample.value))
+            elif sample.name == "t2i_scheduler_loop_lag_seconds_count":
+                count = sample.value
+            elif sample.name == "t2i_scheduler_loop_lag_max_seconds":
+                worst = sample.value
+    buckets.sort()
+
+    def over(bound: float) -> int:  # probes that waited longer than ``bound``
+        at = [c for le, c in buckets if le == bound]
+        return int(count - at[0]) if at else -1
+
+    # Each reported stall: the innermost frame of the blocking stack (the log is JSON lines).
+    where = []
+    for line in log_text.splitlines():
+        try:
+            msg = str(json.loads(line).get("event", ""))
+        except (json.JSONDecodeError, AttributeError):
+            continue
+        if "event loop blocked for over" in msg:
+            frames = re.findall(r'File "([^"]+)", line (\d+), in (\w+)', msg)
+            where.append(":".join(frames[-1]) if frames else "?")
+    return {
+        "probes": int(count),
+        "worst_s": worst,
+        "over_10ms": over(0.01),
+        "over_100ms": over(0.1),
+        "over_500ms": over(0.5),
+        "over_1s": over(1.0),
+        "reported_stalls": len(where),
+        "reported_at": sorted({str(w) for w in where}),
+    }
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -245,9 +298,11 @@ async def load(client: Client, total: int, inflight: int, paths, pids: dict[str,
 async def run_path(via: str, args, paths, nats_url: str, redis_url: str) -> dict:
     from tests.conftest import cleanup_namespace, free_port
 
+    log_dir = REPO / "var" / "bench" / f"scale-{via}"
+    shutil.rmtree(log_dir, ignore_errors=True)  # logs are appended to: this run's only
     stack = Stack(
         namespace="scale" + uuid.uuid4().hex[:6],
-        log_dir=REPO / "var" / "bench" / f"scale-{via}",
+        log_dir=log_dir,
         model_root=REPO / "models",
         gateway_port=free_port(),
         executors=0,
@@ -262,6 +317,9 @@ async def run_path(via: str, args, paths, nats_url: str, redis_url: str) -> dict
         scheduler_env={
             "T2I_SCHEDULER_HEARTBEAT_TIMEOUT_S": str(max(5.0, 10 * args.heartbeat_s)),
             "T2I_SCHEDULER_MAX_ACTIVE": str(max(1000, 2 * args.inflight)),
+            "T2I_SCHEDULER_LOOP_REPORT_S": str(args.report_stall_ms / 1e3),
+            # asyncio's debug mode logs each callback that runs longer than 100 ms (and slows all).
+            **({"PYTHONASYNCIODEBUG": "1"} if args.asyncio_debug else {}),
         },
         gateway_env={
             "T2I_GATEWAY_MAX_INFLIGHT": "100000",
@@ -295,6 +353,8 @@ async def run_path(via: str, args, paths, nats_url: str, redis_url: str) -> dict
             print(f"  [{via}] load: {json.dumps(result['load'])}", file=sys.stderr)
             if args.probe_after:
                 result["probe_after_load"] = await probe(client, args.probes, paths, args.scale)
+        result["loop_lag"] = await asyncio.to_thread(loop_lag, stack)
+        print(f"  [{via}] scheduler loop lag: {json.dumps(result['loop_lag'])}", file=sys.stderr)
         return result
     finally:
         await asyncio.to_thread(stack.stop)
@@ -327,6 +387,17 @@ async def main() -> int:
     ap.add_argument("--requests", type=int, default=0, help="requests in the load phase")
     ap.add_argument("--probes", type=int, default=0, help="solo requests in the probe phase")
     ap.add_argument("--probe-after", action="store_true", help="probe again after the load")
+    ap.add_argument(
+        "--report-stall-ms",
+        type=float,
+        default=500.0,
+        help="the scheduler logs the stack of any event-loop stall longer than this",
+    )
+    ap.add_argument(
+        "--asyncio-debug",
+        action="store_true",
+        help="run the scheduler in asyncio's debug mode: each callback over 100 ms is logged",
+    )
     ap.add_argument("--out", default=str(REPO / "bench" / "results"))
     args = ap.parse_args()
     args.requests = args.requests or (1200 if args.quick else 3000)
@@ -405,6 +476,12 @@ async def main() -> int:
         )
         per = r["overhead_by_workflow_pct"]
         print(f"{'':8s}overhead per workflow: " + ", ".join(f"{w} {x:.1f}%" for w, x in per.items()))
+        lag = r.get("loop_lag") or {}
+        if lag:
+            print(
+                f"{'':8s}scheduler loop lag: worst {1e3 * lag['worst_s']:.0f} ms; of {lag['probes']} probes "
+                f"{lag['over_100ms']} waited > 100 ms, {lag['over_500ms']} > 500 ms, {lag['over_1s']} > 1 s"
+            )
     last = results[-1]
     print(f"results: {out / 'scale.json'}")
     print(f"{last['load']['dispatches_per_s']:.0f} dispatches/s")

@@ -1,4 +1,5 @@
-"""How long an event loop keeps ready work waiting, watched from a thread of its own.
+"""How long an event loop keeps ready work waiting, watched from a thread of its own; and
+:class:`TimeSlice`, for loops of work that should not keep it waiting.
 
 asyncio runs one callback at a time: one that computes for a second (a large scheduling round, a
 big decode, a synchronous call) holds up every timer, message and answer queued behind it. A
@@ -88,3 +89,19 @@ class LoopWatchdog:
         if lag >= self.report_s:
             log.warning("%s: event loop was blocked for %.2f s", self.what, lag)
         ran.set()
+
+
+class TimeSlice:
+    """Long synchronous stretches cut into slices: ``await slice.check()`` between items of work
+    yields to the event loop once ``seconds`` have passed since the last yield (and is free
+    otherwise), so a batch of a thousand items holds up timers and messages for a slice, not
+    for the whole batch."""
+
+    def __init__(self, seconds: float = 0.01) -> None:
+        self.seconds = seconds
+        self._since = time.perf_counter()
+
+    async def check(self) -> None:
+        if time.perf_counter() - self._since >= self.seconds:
+            await asyncio.sleep(0)
+            self._since = time.perf_counter()

@@ -50,6 +50,7 @@ from redis.asyncio import Redis
 
 from libs.common.logs import bind_request
 from libs.common.registry_client import RegistryClient, WorkflowNotFound
+from libs.common.watchdog import TimeSlice
 from libs.errors import T2IError
 from libs.protocol.keys import Keys
 from libs.protocol.messages import ImageRequest, ReleaseRequest, RequestResult, encode, intake_decoder
@@ -211,7 +212,9 @@ class Intake:
         """Take a fetched batch in, in order. Every message is registered first, so the progress
         loop keeps all of them alive while the ones before them are being taken in."""
         accepted = []
+        slices = TimeSlice()  # a batch is up to 128 requests, each unrolled: the loop runs between
         for m in msgs:
+            await slices.check()
             try:
                 if (req := await self._accept(m)) is not None:
                     self._seq += 1
@@ -221,6 +224,7 @@ class Intake:
         await self._prefetch([req for req, _ in accepted])
         checked: list[tuple[ImageRequest, Dag, Deadline, int]] = []
         for req, seq in accepted:
+            await slices.check()
             try:
                 if (ok := await self._take_in(req, seq)) is not None:
                     checked.append((req, *ok, seq))

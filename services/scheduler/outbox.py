@@ -53,6 +53,15 @@ return #KEYS
 """
 
 
+# A batch's request state goes out in pipelines of this many requests' commands, and its progress
+# entries in script calls of this many: at 256 simulated GPUs, building and packing one pipeline
+# for a whole batch was the longest callback on the event loop (100-370 ms under asyncio's debug
+# mode, which runs about 3x slower: bench/scale.py --asyncio-debug); in pieces, the loop serves
+# other work while Redis answers each. Order is kept: they go one after another.
+_REQUESTS_PER_CALL = 200
+_EVENTS_PER_CALL = 500
+
+
 @dataclass(frozen=True)
 class Flushed:
     """A marker in the effects queue: ``event`` is set when everything queued before it was done."""
@@ -173,51 +182,55 @@ class Outbox:
                 m[1].clear()
                 m[2][0] = True
             m[1].update(e.tensors)
-        pipe = self.svc.redis.pipeline(transaction=False)
         ttl = self.svc.cfg.request_ttl_s
         stamp = time.time()
-        for rid, (fields, tensors, drop) in merged.items():
-            key = self.svc.keys.request(rid)
-            last = self._written.get(rid)
-            ending = fields.get("status") in _ENDED
-            if last is None or ending:
-                pipe.hset(key, mapping={**fields, "updated_at": stamp})
-                pipe.expire(key, ttl)
-            else:
-                changed = {k: v for k, v in fields.items() if last.get(k) != v}
-                pipe.hset(key, mapping={**changed, "updated_at": stamp})
-            if ending:
-                self._written.pop(rid, None)
-                self._tensors_ttl.discard(rid)
-            elif last is None:
-                self._written[rid] = fields
-            else:
-                last.update(fields)
-            tkey = self.svc.keys.tensors(rid)
-            if drop[0]:
-                pipe.delete(tkey)
-                self._tensors_ttl.discard(rid)
-            if tensors:
-                pipe.hset(tkey, mapping={tid: msgspec.json.encode(m) for tid, m in tensors.items()})
-                if rid not in self._tensors_ttl:  # once per key: it lives as long as the request's
-                    pipe.expire(tkey, ttl)
-                    self._tensors_ttl.add(rid)
-        if events:
+        pipe = self.svc.redis.pipeline(transaction=False)
+        try:
+            for n, (rid, (fields, tensors, drop)) in enumerate(merged.items(), 1):
+                key = self.svc.keys.request(rid)
+                last = self._written.get(rid)
+                ending = fields.get("status") in _ENDED
+                if last is None or ending:
+                    pipe.hset(key, mapping={**fields, "updated_at": stamp})
+                    pipe.expire(key, ttl)
+                else:
+                    changed = {k: v for k, v in fields.items() if last.get(k) != v}
+                    pipe.hset(key, mapping={**changed, "updated_at": stamp})
+                if ending:
+                    self._written.pop(rid, None)
+                    self._tensors_ttl.discard(rid)
+                elif last is None:
+                    self._written[rid] = fields
+                else:
+                    last.update(fields)
+                tkey = self.svc.keys.tensors(rid)
+                if drop[0]:
+                    pipe.delete(tkey)
+                    self._tensors_ttl.discard(rid)
+                if tensors:
+                    pipe.hset(tkey, mapping={tid: msgspec.json.encode(m) for tid, m in tensors.items()})
+                    if rid not in self._tensors_ttl:  # once per key: it lives as long as the request's
+                        pipe.expire(tkey, ttl)
+                        self._tensors_ttl.add(rid)
+                if n % _REQUESTS_PER_CALL == 0:  # sent now: the loop runs while Redis answers
+                    await pipe.execute()
             t = round(stamp, 3)
             for ev in events:
                 ev.data["t"] = t
-            # EVAL, not EVALSHA: a pipeline would check SCRIPT EXISTS first, which the scheduler's
-            # Redis user may not run; Redis caches the compiled script either way.
-            pipe.eval(
-                _APPEND_EVENTS,
-                len(events),
-                *(self.svc.keys.events(ev.request_id) for ev in events),
-                EVENTS_MAXLEN,
-                EVENTS_TTL_S,
-                *(msgspec.json.encode(ev.data) for ev in events),
-            )
-        try:
-            await pipe.execute()
+            for i in range(0, len(events), _EVENTS_PER_CALL):
+                chunk = events[i : i + _EVENTS_PER_CALL]
+                # EVAL, not EVALSHA: a pipeline would check SCRIPT EXISTS first, which the
+                # scheduler's Redis user may not run; Redis caches the compiled script either way.
+                pipe.eval(
+                    _APPEND_EVENTS,
+                    len(chunk),
+                    *(self.svc.keys.events(ev.request_id) for ev in chunk),
+                    EVENTS_MAXLEN,
+                    EVENTS_TTL_S,
+                    *(msgspec.json.encode(ev.data) for ev in chunk),
+                )
+                await pipe.execute()
+            await pipe.execute()  # the rest (an empty pipeline sends nothing)
         except BaseException:
             for rid in merged:  # unknown what reached Redis: write these in full next time
                 self._written.pop(rid, None)

@@ -6,6 +6,7 @@
 * the leader's event loop stalls for twice the lease TTL (a blocking call, or a CPU-bound stretch
   holding the GIL between switches): the lease's keeper thread renews it meanwhile, so it keeps
   leading with the same epoch, the standby never leads, and every request gets one result;
+* a scheduler process stopped with SIGTERM deletes its lease before it exits;
 * a leader whose lease another has taken steps down and its process starts again as a standby,
   which leads again (a new epoch) once the other's lease runs out; so does one whose vTime write
   is refused, or whose dispatch an executor refuses, for a stale epoch;
@@ -114,6 +115,20 @@ async def test_the_standby_process_takes_over_a_killed_leader_and_every_request_
         retaken = [rid for rid in set(ids) - answered_by_leader if await _attempt(world, rid) >= 2]
         assert retaken, "no request the killed leader held was taken over"
         assert standby.poll() is None and "stepping down" not in procs.read_log("scheduler-1")
+    finally:
+        procs.stop()
+
+
+async def test_a_scheduler_process_stopped_by_sigterm_hands_its_lease_over_at_once(world, tmp_path):
+    procs = Stack(namespace=world.ns, log_dir=tmp_path / "logs", model_root=tmp_path, executors=0)
+    try:
+        # A TTL far longer than the test: the key can only be gone because the leader deleted it.
+        proc = procs.spawn("scheduler", "services.scheduler", T2I_SCHEDULER_LEASE_TTL_S="300")
+        holder = lambda: world.redis.get(world.keys.scheduler_lease)  # noqa: E731
+        assert await until(lambda: _holds(holder, proc.pid), 60.0), procs.tail("scheduler")
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(proc.wait, 30) == 0, procs.tail("scheduler")
+        assert await holder() is None, "the lease was not released on a clean stop"
     finally:
         procs.stop()
 
