@@ -87,7 +87,7 @@ def loop_lag(stack: Stack) -> dict:
     with urllib.request.urlopen(urls[-1], timeout=10) as r:  # noqa: S310 - our own 127.0.0.1 endpoint
         text = r.read().decode()
     buckets: list[tuple[float, float]] = []
-    worst = count = 0.0
+    worst = count = full_gcs = 0.0
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == "t2i_scheduler_loop_lag_seconds_bucket":
@@ -96,6 +96,8 @@ def loop_lag(stack: Stack) -> dict:
                 count = sample.value
             elif sample.name == "t2i_scheduler_loop_lag_max_seconds":
                 worst = sample.value
+            elif sample.name == "python_gc_collections_total" and sample.labels.get("generation") == "2":
+                full_gcs = sample.value
     buckets.sort()
 
     def over(bound: float) -> int:  # probes that waited longer than ``bound``
@@ -119,6 +121,7 @@ def loop_lag(stack: Stack) -> dict:
         "over_100ms": over(0.1),
         "over_500ms": over(0.5),
         "over_1s": over(1.0),
+        "full_gc_collections": int(full_gcs),
         "reported_stalls": len(where),
         "reported_at": sorted({str(w) for w in where}),
     }
@@ -480,7 +483,8 @@ async def main() -> int:
         if lag:
             print(
                 f"{'':8s}scheduler loop lag: worst {1e3 * lag['worst_s']:.0f} ms; of {lag['probes']} probes "
-                f"{lag['over_100ms']} waited > 100 ms, {lag['over_500ms']} > 500 ms, {lag['over_1s']} > 1 s"
+                f"{lag['over_100ms']} waited > 100 ms, {lag['over_500ms']} > 500 ms, {lag['over_1s']} > 1 s; "
+                f"{lag['full_gc_collections']} full GC collections"
             )
     last = results[-1]
     print(f"results: {out / 'scale.json'}")

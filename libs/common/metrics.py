@@ -28,6 +28,7 @@ from prometheus_client import (
     CollectorRegistry,
     Counter,
     Gauge,
+    GCCollector,
     Histogram,
     disable_created_metrics,
     generate_latest,
@@ -209,6 +210,9 @@ class SchedulerMetrics(ServiceMetrics):
             registry=self.registry,
         )
         self._lag_max = 0.0
+        # The cyclic GC's collections per generation: full ones are the loop's longest stalls
+        # (services/scheduler/__main__.py, tune_gc).
+        GCCollector(registry=self.registry)
         self._tenants: set[str] = set()
 
     def lagged(self, seconds: float) -> None:

@@ -214,7 +214,16 @@ class Bridge:
                     )
                 out.append(ImageState(result.status, result))
             else:
-                out.append(ImageState(STATUS.get((status or b"").decode(errors="replace"), "queued")))
+                # Ended in the scheduler, its result not stored yet (the state is written as the
+                # request ends, the result once its charges are: services/scheduler/service.py,
+                # _finish): still finishing, as far as a caller can tell.
+                raw_status = status or b""
+                now = (
+                    "running"
+                    if raw_status in ENDED
+                    else STATUS.get(raw_status.decode(errors="replace"), "queued")
+                )
+                out.append(ImageState(now))
         return out
 
     async def fetch_image(self, ref: ImageRef, delete: bool) -> bytes | None:

@@ -10,7 +10,6 @@ import io
 import json
 import subprocess
 import threading
-import time
 import uuid
 from functools import cache
 from pathlib import Path
@@ -27,6 +26,7 @@ from libs.protocol.keys import Keys
 from libs.workflow.spec import encode_spec
 from tests.conftest import cleanup_namespace, free_port
 from tests.support import plugin_flux
+from tests.support.waiting import until_sync
 
 pytestmark = pytest.mark.e2e
 KEY = "sk-e2e"
@@ -189,18 +189,21 @@ def test_an_executor_killed_mid_request_still_returns_the_same_image(broker_urls
         t = threading.Thread(target=call)
         t.start()
         rid = None
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:  # wait until the request is under way on both executors
+
+        def under_way_on_both() -> bool:  # the request, once it is under way on both executors
+            nonlocal rid
             r = redis.Redis.from_url(stack.redis_url)
-            keys = [k.decode() for k in r.scan_iter(match=Keys(stack.namespace).request("*"))]
-            r.close()
-            if keys:
-                rid = keys[0].rsplit(":", 1)[1]
-                state = request_state(stack, rid)
-                if int(state.get("nodes_done", 0)) >= 6 and "," in state.get("executors", ""):
-                    break
-            time.sleep(0.05)
-        assert rid, stack.tail("scheduler")
+            try:
+                keys = [k.decode() for k in r.scan_iter(match=Keys(stack.namespace).request("*"))]
+            finally:
+                r.close()
+            if not keys:
+                return False
+            rid = keys[0].rsplit(":", 1)[1]
+            state = request_state(stack, rid)
+            return int(state.get("nodes_done", 0)) >= 6 and "," in state.get("executors", "")
+
+        assert until_sync(under_way_on_both, 60, step=0.05), (rid, stack.tail("scheduler"))
         stack.kill("executor-1")
         t.join(180)
         status, body = out["resp"]

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -28,6 +27,7 @@ from services.gateway import webhooks
 from tests.conftest import cleanup_namespace, free_port
 from tests.integration.test_gateway_stack import KEYS, call, write_profile
 from tests.support.stacks import sim_stack
+from tests.support.waiting import until
 
 SECRET = "whsec-" + uuid.uuid4().hex
 ASYNC = {"Prefer": "respond-async"}
@@ -107,13 +107,18 @@ async def sse_events(
 
 
 async def poll_until(stack: Stack, gen_id: str, statuses: set[str], within_s: float = 30) -> dict:
-    deadline = time.monotonic() + within_s
-    while True:
+    """The call's status object once its status is one of ``statuses``."""
+    looked: dict = {}
+
+    async def reached() -> bool:
+        nonlocal looked
         r = await asyncio.to_thread(call, stack, "GET", f"/v1/requests/{gen_id}")
         assert r.status == 200, r.body
-        if r.body["status"] in statuses or time.monotonic() > deadline:
-            return r.body
-        await asyncio.sleep(0.05)
+        looked = r.body
+        return looked["status"] in statuses
+
+    assert await until(reached, within_s, step=0.05), f"{gen_id} never reached {statuses}: {looked}"
+    return looked
 
 
 # -- respond-async and events ------------------------------------------------------------------------------
@@ -200,14 +205,15 @@ async def test_cancel_in_mid_denoising_ends_the_call_cancelled_and_charges_only_
 async def test_a_waiting_sync_call_cancelled_through_the_route_answers_409_cancelled(stack):
     body = gen("slow-wf", num_inference_steps=12, user=uuid.uuid4().hex)
     waiting = asyncio.create_task(asyncio.to_thread(call, stack, "POST", "/v1/images/generations", body))
-    deadline = time.monotonic() + 20
-    while True:  # the call, once the gateway has recorded it
-        listed = await asyncio.to_thread(call, stack, "GET", "/v1/requests?limit=1")
-        if listed.body["data"] and listed.body["data"][0]["status"] == "running":
-            break
-        assert time.monotonic() < deadline, listed.body
-        await asyncio.sleep(0.05)
-    gen_id = listed.body["data"][0]["id"]
+    listed: dict = {}
+
+    async def recorded_running() -> bool:  # the call, once the gateway has recorded it running
+        nonlocal listed
+        listed = (await asyncio.to_thread(call, stack, "GET", "/v1/requests?limit=1")).body
+        return bool(listed["data"]) and listed["data"][0]["status"] == "running"
+
+    assert await until(recorded_running, 20, step=0.05), f"the call never showed as running: {listed}"
+    gen_id = listed["data"][0]["id"]
     cancelled = await asyncio.to_thread(call, stack, "POST", f"/v1/requests/{gen_id}/cancel")
     assert cancelled.status == 200, cancelled.body
     answered = await waiting
@@ -250,7 +256,12 @@ async def test_a_webhook_is_delivered_signed_and_retried_once_after_a_failure(st
     try:
         accepted = await submit_async(stack, gen(webhook=f"http://127.0.0.1:{port}/hook?src=t2i", seed=9))
         await asyncio.wait_for(delivered.wait(), 30)
-        await asyncio.sleep(0.5)  # a third attempt would come within this: none must
+        # No third attempt: the gateway logs "delivered (attempt N)" once it has read the answer of
+        # the attempt that succeeded, and its delivery returns right there (Webhooks.deliver); a
+        # call has one delivery (jobs.follow). Once this line is logged no attempt can follow, and
+        # "attempt 2" says the 204 answered the second one (none was made in between).
+        line = f"webhook of {accepted['id']} delivered (attempt 2)"
+        assert await until(lambda: line in stack.read_log("gateway"), 10), stack.tail("gateway")
     finally:
         await runner.cleanup()
     assert len(attempts) == 2

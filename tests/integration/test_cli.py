@@ -15,7 +15,6 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from libs.sim.workflows import sim_workflow
 from libs.workflow.spec import encode_spec
 from tests.support.stacks import sim_stack, started
 from tests.support.toyprofile import write_family_profile
+from tests.support.waiting import until_sync
 
 KEYS = "sk-cli-alice=alice,sk-cli-ops=ops:admin"
 TENANT, ADMIN = "sk-cli-alice", "sk-cli-ops"
@@ -195,13 +195,15 @@ def test_cancel_a_running_call(stack):
     p = t2i(stack, "cancel", answer["id"])
     assert p.returncode == 0, explain(p)
     assert answer["id"] in p.stdout and re.search(r": (cancelled|running)", p.stdout), explain(p)
-    deadline = time.monotonic() + 30
-    while True:  # the call ends cancelled, well before its 4 s of denoising would have
-        status, now = stack.http("GET", f"/v1/requests/{answer['id']}", key=TENANT)
-        if now.get("status") == "cancelled" or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
-    assert now.get("status") == "cancelled", now
+    looked: dict = {}
+
+    def ended() -> bool:  # the call ends: cancelled, not run to the end of its 4 s of denoising
+        nonlocal looked
+        _, looked = stack.http("GET", f"/v1/requests/{answer['id']}", key=TENANT)
+        return looked.get("status") in ("cancelled", "succeeded", "failed")
+
+    assert until_sync(ended, 30, step=0.1), f"the call never ended: {looked}"
+    assert looked.get("status") == "cancelled", looked
     unknown = t2i(stack, "cancel", "0" * 20)
     assert unknown.returncode == 1 and "HTTP 404" in unknown.stderr, explain(unknown)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import uuid
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
@@ -16,12 +17,14 @@ from redis.asyncio import Redis
 from libs.common.nats_conn import connect
 from libs.models.flux_workflows import tiny_flux
 from libs.protocol.keys import Keys
+from libs.protocol.messages import RequestResult, encode
 from libs.protocol.subjects import Subjects
 from libs.workflow import catalog
 from libs.workflow.spec import encode_spec
 from services.gateway.app import make_app
 from services.gateway.auth import ApiKeys
 from services.gateway.config import GatewayConfig
+from services.gateway.records import GenerationRecord, Records
 from services.registry.service import RegistryService
 from services.registry.store import WorkflowStore
 
@@ -259,5 +262,29 @@ async def test_a_redis_burst_beyond_the_pool_waits_for_connections_instead_of_fa
         key = f"{common.namespace}:burst"
         results = await asyncio.gather(*(redis.hset(key, f"f{i}", i) for i in range(200)))
         assert sum(results) == 200 and await redis.hlen(key) == 200
+    finally:
+        await redis.aclose()
+
+
+async def test_a_request_that_ended_before_its_result_was_stored_is_looked_up_as_running(api):
+    """The scheduler writes a request's final status as it ends, and its result only once the
+    request's charges are written: a lookup in between answers "running" (it was a 500), and the
+    stored result "succeeded" once it is there."""
+    client, _, common = api
+    redis = Redis.from_url(common.redis_url)
+    try:
+        gen_id = uuid.uuid4().hex[:20]  # the form of a generation id
+        record = GenerationRecord(gen_id, "alice", "tiny-flux", 1_700_000_000, 1, "b64_json", [1], 30.0)
+        await Records(redis, common.namespace).save(record)
+        key = Keys(common.namespace).request(f"{gen_id}-0")
+        for ended in ("succeeded", "failed", "cancelled"):
+            await redis.hset(key, mapping={"status": ended})
+            r = await client.get(f"/v1/requests/{gen_id}", headers=USER)
+            assert r.status == 200, await r.text()
+            assert (await r.json())["status"] == "running", ended
+        result = RequestResult(f"{gen_id}-0", "failed", error="it broke", error_code="internal")
+        await redis.hset(key, mapping={"status": "failed", "result": encode(result)})
+        r = await client.get(f"/v1/requests/{gen_id}", headers=USER)
+        assert r.status == 200 and (await r.json())["status"] == "failed", await r.text()
     finally:
         await redis.aclose()

@@ -31,6 +31,7 @@ from services.gateway.results import redact
 from services.registry.service import RegistryService
 from services.registry.store import WorkflowStore
 from tests.integration.test_gateway_api import adapter_workflow
+from tests.support.waiting import until
 
 USER = {"Authorization": "Bearer sk-user"}
 BOB = {"Authorization": "Bearer sk-bob"}
@@ -187,20 +188,19 @@ async def test_errors_say_whether_a_retry_could_help(api):
 async def test_a_tenant_beyond_its_in_flight_limit_gets_429_with_retry_after_and_others_are_admitted(api):
     client, _, _, _ = api
     body = {"model": "tiny-flux", "prompt": "x", "size": "128x128"}
+
+    async def in_flight(count: int) -> bool:
+        return f"t2i_gateway_inflight {count}" in await (await client.get("/metrics")).text()
+
     waiting = asyncio.create_task(client.post("/v1/images/generations", json=body, headers=USER))
-    for _ in range(200):  # no executor runs here: the call stays in flight
-        if "t2i_gateway_inflight 1" in await (await client.get("/metrics")).text():
-            break
-        await asyncio.sleep(0.02)
+    # No executor runs here: the call stays in flight.
+    assert await until(lambda: in_flight(1), 10), "alice's call never got in flight"
     resp = await client.post("/v1/images/generations", json=body, headers=USER)
     err = await error_of(resp, 429)
     assert err["code"] == "tenant_busy" and err["type"] == "rate_limit_error"
     assert int(resp.headers["Retry-After"]) >= 1 and resp.headers["x-should-retry"] == "true"
     other = asyncio.create_task(client.post("/v1/images/generations", json=body, headers=BOB))
-    for _ in range(200):
-        if "t2i_gateway_inflight 2" in await (await client.get("/metrics")).text():
-            break
-        await asyncio.sleep(0.02)
+    assert await until(lambda: in_flight(2), 10), "bob's call was not admitted beside alice's"
     assert 't2i_gateway_tenant_inflight{tenant="bob"} 1' in await (await client.get("/metrics")).text()
     err = await error_of(await client.post("/v1/images/generations", json={**body, "n": 2}, headers=BOB), 422)
     assert err["param"] == "n"  # more than a tenant may ever have in flight

@@ -29,6 +29,7 @@ from libs.workflow.spec import encode_spec
 from tests.conftest import cleanup_namespace
 from tests.support.stacks import sim_stack
 from tests.support.toyprofile import write_family_profile
+from tests.support.waiting import until
 
 TENANT_INFLIGHT = 2
 KEYS = "sk-alice=alice,sk-bob=bob,sk-ops=ops:admin"
@@ -130,6 +131,8 @@ class Intake:
         self.nc = None
         self._new = asyncio.Event()
         self._taken = 0
+        self._stream = ""
+        self._seq0 = 0  # the intake stream's last sequence number when we began
 
     async def __aenter__(self) -> Intake:
         import nats
@@ -142,9 +145,14 @@ class Intake:
             self._new.set()
 
         self.nc = await nats.connect(self.stack.nats_url)
+        self._stream = Subjects(self.stack.namespace).intake_stream
         await self.nc.subscribe(Subjects(self.stack.namespace).intake, cb=on_msg)
         await self.nc.flush()
+        self._seq0 = await self._last_seq()
         return self
+
+    async def _last_seq(self) -> int:
+        return (await self.nc.jetstream().stream_info(self._stream)).state.last_seq
 
     async def __aexit__(self, *exc) -> None:
         await self.nc.close()
@@ -159,9 +167,19 @@ class Intake:
         return self.ids[self._taken - 1]
 
     async def settle(self) -> int:
-        await self.nc.flush()
-        await asyncio.sleep(0.2)  # a publish in flight reaches us within this; nothing is expected
-        return len(self.ids)
+        """How many requests the gateway has put on the intake since we began, counted once the
+        calls that made them have been answered.
+
+        The count is the intake stream's own record, not a wait: the gateway awaits JetStream's
+        acknowledgement of each request it puts on the intake (``Bridge.submit``) before the call
+        goes on, and JetStream acknowledges a message once it is stored; the stream's last sequence
+        number counts every message stored (taking one out of the work queue does not lower it).
+        So a request submitted before an answer is counted here, and nothing is missed by asking
+        too early. Our subscription is then waited for until it has seen them all (``next_id``).
+        """
+        stored = await self._last_seq() - self._seq0
+        assert await until(lambda: len(self.ids) >= stored, 10), (stored, self.ids)
+        return stored
 
 
 def generation_id(request_id: str) -> str:
@@ -169,13 +187,17 @@ def generation_id(request_id: str) -> str:
 
 
 async def poll_until(stack: Stack, gen_id: str, statuses: set[str], key: str = "sk-alice") -> Reply:
-    deadline = time.monotonic() + 30
-    while True:
+    """The call's status reply once its status is one of ``statuses``."""
+    looked: list[Reply] = []
+
+    async def reached() -> bool:
         r = await asyncio.to_thread(call, stack, "GET", f"/v1/requests/{gen_id}", key=key)
         assert r.status == 200, r.body
-        if r.body["status"] in statuses or time.monotonic() > deadline:
-            return r
-        await asyncio.sleep(0.05)
+        looked.append(r)
+        return r.body["status"] in statuses
+
+    assert await until(reached, 30, step=0.05), f"{gen_id} never reached {statuses}: {looked[-1].body}"
+    return looked[-1]
 
 
 # -- GET /v1/requests/{id} ---------------------------------------------------------------------------
@@ -324,11 +346,10 @@ async def test_a_tenant_at_its_in_flight_limit_gets_429_while_another_tenant_is_
             pool.submit(call, stack, "POST", "/v1/images/generations", gen("slow-wf"))
             for _ in range(TENANT_INFLIGHT)
         ]
-        deadline = time.monotonic() + 20
         gauge = f't2i_gateway_tenant_inflight{{tenant="alice"}} {TENANT_INFLIGHT}'
-        while gauge not in call(stack, "GET", "/metrics", key=None).raw.decode():
-            assert time.monotonic() < deadline, "alice's calls never got in flight"
-            await asyncio.sleep(0.02)
+        assert await until(lambda: gauge in call(stack, "GET", "/metrics", key=None).raw.decode(), 20), (
+            "alice's calls never got in flight"
+        )
 
         refused = call(stack, "POST", "/v1/images/generations", gen())
         assert refused.status == 429 and refused.body["error"]["code"] == "tenant_busy", refused.body

@@ -24,6 +24,8 @@ import urllib.request
 from collections import Counter
 from dataclasses import dataclass, field
 
+from tests.support.waiting import elapse_sync
+
 RETRYABLE_WITHOUT_HEADER = (0,)  # no answer at all: the key makes repeating it safe
 
 
@@ -126,7 +128,12 @@ def run_call(
         retry = retry or (retry_5xx and a.status >= 500)
         if not retry or time.monotonic() + max(a.retry_after, 0.5) >= deadline:
             return
-        time.sleep(max(a.retry_after, 0.5))
+        elapse_sync(
+            max(a.retry_after, 0.5),
+            # the advice is a length of time: the client waits it out (a half-second back-off
+            # when none came, e.g. no answer at all)
+            because="a well-behaved client repeats a call only after the Retry-After it was given",
+        )
 
 
 def start_call(
