@@ -365,9 +365,17 @@ class ExecutorService:
         if self.current is not None or self._closed or self._wedged.is_set():
             await msg.respond(encode(Ack(ok=False, error=f"busy with {self.current}", seq=self.seq)))
             return
+        if not msg.reply:  # nobody could be told it runs (the scheduler always asks): not taken
+            log.warning("dropped dispatch %s: it has no reply subject", d.ref)
+            return
         self.current = d.ref
+        try:
+            await msg.respond(encode(Ack(ok=True, seq=self.seq)))
+        except Exception as e:  # noqa: BLE001 - unanswered: the scheduler places it elsewhere
+            log.warning("could not accept dispatch %s: %s: %s", d.ref, type(e).__name__, e)
+            self.current = None
+            return
         self.metrics.started(self.id, d.fn, d.model)
-        await msg.respond(encode(Ack(ok=True, seq=self.seq)))
         task = asyncio.create_task(self._run(d))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

@@ -37,6 +37,7 @@ from libs.sim.workflows import sim_workflow
 from libs.workflow.spec import encode_spec
 from tests.support.http import generate
 from tests.support.stacks import sim_stack, started
+from tests.support.waiting import until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -143,17 +144,19 @@ async def _fuzz(stack: Stack) -> tuple[int, int]:
     sent = answered = 0
     r = redis.Redis.from_url(stack.redis_url)
     waiting: list[str] = []
-    for _ in range(100):
-        waiting = [
+
+    def in_flight() -> bool:
+        waiting[:] = [
             key.decode().rsplit(":", 1)[1]
             for key in r.scan_iter(match=Keys(stack.namespace).request("*"), count=1000)
             if r.hget(key, "status") not in (None, b"succeeded", b"failed")
         ]
-        if waiting:
-            break
-        await asyncio.sleep(0.05)
-    r.close()
-    assert waiting, "no request in flight to aim results at"
+        return bool(waiting)
+
+    try:
+        assert await until(in_flight, 30.0, 0.05), "no request in flight to aim results at"
+    finally:
+        r.close()
     try:
         for msg in templates(stack.namespace, executors[0]):
             for data in mutations(msg, rng):

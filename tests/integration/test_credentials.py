@@ -33,6 +33,7 @@ from libs.protocol.subjects import Subjects
 from libs.sim.workflows import sim_workflow
 from libs.workflow.spec import encode_spec
 from tests.conftest import free_port
+from tests.support.waiting import until
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -80,6 +81,7 @@ class Client:
     def __init__(self) -> None:
         self.errors: list[str] = []
         self.nc: nats.NATS | None = None
+        self.inbox = ""  # the inbox prefix: subjects under it are this user's to receive on
 
     async def connect(self, stack: Stack, key: str) -> Client:
         assert stack.credentials is not None
@@ -88,26 +90,22 @@ class Client:
         async def error_cb(e: Exception) -> None:
             self.errors.append(str(e))
 
+        self.inbox = f"_INBOX.{u.name}"
         self.nc = await nats.connect(
             stack.bus_url,
             user=u.name,
             password=u.password,
-            inbox_prefix=f"_INBOX.{u.name}",
+            inbox_prefix=self.inbox,
             error_cb=error_cb,
             allow_reconnect=False,
         )
         return self
 
-    async def refused(self, what: str, subject: str, wait_s: float = 3.0) -> bool:
+    async def refused(self, what: str, subject: str, wait_s: float = 10.0) -> bool:
         """Whether the server refused ``what`` (Publish, Subscription) to ``subject`` (its error
         may come a little after the flush that followed the attempt)."""
         expected = f'permissions violation for {what} to "{subject}"'.lower()
-        deadline = asyncio.get_running_loop().time() + wait_s
-        while not any(expected in e.lower() for e in self.errors):
-            if asyncio.get_running_loop().time() > deadline:
-                return False
-            await asyncio.sleep(0.05)
-        return True
+        return await until(lambda: any(expected in e.lower() for e in self.errors), wait_s)
 
 
 FORGED = b'{"type":"forged"}'
@@ -124,6 +122,22 @@ async def listen(nc: nats.NATS, subjects: list[str], only: bytes | None = None) 
 
     for subject in subjects:
         await nc.subscribe(subject, cb=cb)
+    await nc.flush()
+    return got
+
+
+async def watch(nc: nats.NATS, namespace: str, subjects: list[str], only: bytes | None = None) -> list[str]:
+    """As :func:`listen`, through one subscription to every subject of ``namespace``: the server
+    delivers what one connection published there in the order it took the messages, whatever
+    their subjects, and the callback sees them in that order (one subscription, one at a time)."""
+    got: list[str] = []
+    wanted = set(subjects)
+
+    async def cb(msg) -> None:
+        if msg.subject in wanted and (only is None or msg.data == only):
+            got.append(msg.subject)
+
+    await nc.subscribe(f"{namespace}.>", cb=cb)
     await nc.flush()
     return got
 
@@ -152,11 +166,13 @@ async def test_the_executor_user_cannot_forge_results_intake_registry_writes_or_
     try:
         forged = [s.result("forged"), s.intake, s.registry("register"), s.executors_all, s.executor("nobody")]
         allowed = s.executor_release("nobody")  # ReleaseTensors to a producer: the control
-        got = await listen(admin.nc, [*forged, allowed], only=FORGED)
+        got = await watch(admin.nc, stack.namespace, [*forged, allowed], only=FORGED)
         for subject in [*forged, allowed]:
             await ex.nc.publish(subject, FORGED)
         await ex.nc.flush()
-        await asyncio.sleep(0.3)
+        # Handshake: the allowed publish went last, on the same connection, and reaches the same
+        # subscription; once it is in, any forged one the server let through would be before it.
+        assert await until(lambda: allowed in got), f"the allowed publish never arrived: {got}"
         assert got == [allowed]
         for subject in forged:
             assert await ex.refused("Publish", subject), (subject, ex.errors)
@@ -174,7 +190,8 @@ async def test_an_executor_cannot_dispatch_to_another_nor_report_as_another(stac
     shared = await Client().connect(stack, "executor")  # the generic user (compose replicas share it)
     assert admin.nc and ex.nc and shared.nc
     try:
-        seen = await listen(admin.nc, [s.executor(mine), s.executor(theirs), s.executor_events(theirs)])
+        watched = [s.executor(mine), s.executor(theirs), s.executor_events(theirs)]
+        seen = await watch(admin.nc, stack.namespace, watched)
         dispatch = Dispatch("r-forged", 1, "n", "t", "toy.fn", "m", {}, [OutputPlan("out")])
         failed = NodeFailed(theirs, "r-forged", 1, "n", "forged")
         for who in (ex, shared):
@@ -193,12 +210,15 @@ async def test_an_executor_cannot_dispatch_to_another_nor_report_as_another(stac
         goodbye = ExecutorGoodbye(mine)  # believed, it would take a live executor out
         await shared.nc.publish(s.executor_events(theirs), encode(goodbye))
         await shared.nc.flush()
-        await asyncio.sleep(0.3)
+        # Handshake: every publish above was flushed (the server had taken it) before the goodbye
+        # was sent, so anything of theirs the server let through reached the admin's subscription
+        # before the goodbye did.
+        assert await until(lambda: s.executor_events(theirs) in seen), f"no goodbye: {seen}"
         assert seen == [s.executor_events(theirs)], seen
-        deadline = asyncio.get_running_loop().time() + 5
-        while f"claiming executor {mine!r}" not in stack.read_log("scheduler"):
-            assert asyncio.get_running_loop().time() < deadline, stack.tail("scheduler")
-            await asyncio.sleep(0.1)
+        claimed = f"claiming executor {mine!r}"
+        assert await until(lambda: claimed in stack.read_log("scheduler")), stack.tail("scheduler")
+        # The scheduler decides on an event as it handles it: dropped as a forgery (the line just
+        # read) or believed (the executor removed there and then), never both, never later.
         assert f"executor {mine} removed" not in stack.read_log("scheduler")
     finally:
         for c in (ex, shared, admin):
@@ -216,7 +236,19 @@ async def test_the_executor_user_cannot_read_the_intake_or_redirect_stored_messa
         # The launcher gives each executor process a user that may receive its own executors'
         # messages only: not another executor's dispatches.
         other = s.executor(f"{stack.namespace}-executor-9")
-        spied = await listen(ex.nc, [s.intake, s.result("*"), s.sched_events, other])
+        spied: list[str] = []
+
+        async def spy(msg) -> None:
+            spied.append(msg.subject)
+
+        spies = [await ex.nc.subscribe(x, cb=spy) for x in (s.intake, s.result("*"), s.sched_events, other)]
+        heard = asyncio.Event()  # the handshake below, on a subject the executor user may receive
+
+        async def handshake(msg) -> None:
+            heard.set()
+
+        await ex.nc.subscribe(f"{ex.inbox}.handshake", cb=handshake)
+        await ex.nc.flush()
         for subject in (s.intake, s.result("*"), s.sched_events, other):
             assert await ex.refused("Subscription", subject), (subject, ex.errors)
         for read in (
@@ -233,11 +265,24 @@ async def test_the_executor_user_cannot_read_the_intake_or_redirect_stored_messa
             await js.add_consumer(
                 f"OBJ_{s.images_bucket}", ConsumerConfig(deliver_subject=s.result("redirected"))
             )
-        await admin.nc.publish(s.result("probe"), b"{}")  # what the spy would have seen
+        # What the spy would have seen (not the intake: a message there would be taken in as a
+        # request), then the handshake: the server delivers one connection's messages to another
+        # in order, and the executor's client queues each for its subscription as it reads it. So
+        # once the handshake is heard, a probe the spy was given is in ``spied`` or still queued.
+        for probe in (s.result("probe"), s.executor_events(f"{stack.namespace}-executor-9"), other):
+            await admin.nc.publish(probe, b"{}")
+        await admin.nc.publish(f"{ex.inbox}.handshake", b"")
         await admin.nc.flush()
-        await asyncio.sleep(0.3)
-        assert spied == [] and redirected == [s.result("probe")]
+        assert await until(heard.is_set), "the handshake never reached the executor user"
+        assert spied == [] and all(sub.pending_msgs == 0 for sub in spies), spied
+        assert await until(lambda: s.result("probe") in redirected), "the admin missed the probe"
+        assert redirected == [s.result("probe")]
         assert await ex.refused("Publish", f"$JS.API.CONSUMER.CREATE.OBJ_{s.images_bucket}")
+        # The server refused the create, so JetStream never saw it: no consumer of the images
+        # stream delivers to a results subject, so none can redirect stored messages later.
+        consumers = await admin.nc.jetstream().consumers_info(f"OBJ_{s.images_bucket}")
+        targets = [c.config.deliver_subject or "" for c in consumers]
+        assert not [t for t in targets if t.startswith(s.result(""))], targets
     finally:
         await ex.nc.close()
         await admin.nc.close()

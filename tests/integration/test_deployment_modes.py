@@ -18,19 +18,23 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid
 from pathlib import Path
 
 import nats
 import pytest
+from redis.asyncio import Redis
 
 from libs.launcher.stack import Stack
-from libs.protocol.messages import NodeComplete, sched_decoder
+from libs.protocol.keys import Keys
+from libs.protocol.messages import ExecutorGoodbye, NodeComplete, sched_decoder
 from libs.protocol.subjects import Subjects
 from libs.sim.workflows import sim_workflow
 from libs.workflow.spec import encode_spec
 from tests.conftest import cleanup_namespace, free_port
 from tests.integration.test_gateway_stack import call
+from tests.support.waiting import until
 
 pytestmark = pytest.mark.e2e
 
@@ -72,14 +76,27 @@ async def run_mode(broker_urls, tmp: Path, mode: str) -> list[list[NodeComplete]
         redis_url=redis_url,
         extra_env={"T2I_SCHEDULER_DEPLOYMENT": mode},
     )
+    executors = {i for ids in stack.executor_ids().values() for i in ids}
     events: dict[str, list[NodeComplete]] = {}
+    goodbyes: set[str] = set()
     nc = await nats.connect(nats_url)
+    redis = Redis.from_url(redis_url)
+
+    async def heard_from_all_since(t: float) -> bool:
+        """Whether the scheduler has had a heartbeat from every executor since ``t`` (unix time),
+        as its operator view of the executors (``{ns}:executors``, written each second) says."""
+        view = await redis.hgetall(Keys(stack.namespace).executors_view)
+        seen = {k.decode(): json.loads(v)["seen"] for k, v in view.items()}
+        return all(seen.get(e, 0.0) > t for e in executors)
+
     try:
 
         async def on_event(msg) -> None:
             ev = sched_decoder.decode(msg.data)
             if isinstance(ev, NodeComplete):
                 events.setdefault(ev.request_id, []).append(ev)
+            elif isinstance(ev, ExecutorGoodbye):
+                goodbyes.add(ev.executor)
 
         await nc.subscribe(Subjects(stack.namespace).sched_events, cb=on_event)
         await nc.flush()
@@ -91,20 +108,30 @@ async def run_mode(broker_urls, tmp: Path, mode: str) -> list[list[NodeComplete]
                     stack.http, "POST", "/v1/workflows", spec, key="sk-ops"
                 )
                 assert status == 201, body
-            ids = []
+            ids: list[str] = []
+            ended = 0.0  # when the last request was answered (unix time)
             for model in ("a-wf", "a-wf", "b-wf", "b-wf"):
+                if ids:
+                    # Placed by what the executors cache after the last request, which their next
+                    # heartbeats say: the scheduler handles an executor's events in the order it
+                    # sent them, and had all completions of that request before it answered, so a
+                    # heartbeat it had after that was sent after the executor's last node there.
+                    heard = await until(lambda t=ended: heard_from_all_since(t), 30.0, 0.1)
+                    assert heard, "the scheduler heard from no executor since the last request"
                 body = {"model": model, "prompt": "a fox"}
                 done = await asyncio.to_thread(call, stack, "POST", "/v1/images/generations", body)
+                ended = time.time()
                 assert done.status == 200, done.body
                 ids.append(done.body["id"])
-                await asyncio.sleep(1.2)  # the executors' next heartbeats say what they cache now
-            await nc.flush()
-            await asyncio.sleep(0.3)
         finally:
             await asyncio.to_thread(stack.stop)
             await cleanup_namespace(nats_url, redis_url, stack.namespace)
+        # Each executor says goodbye as it stops, after its last completion, on the same connection
+        # and subject, to the same subscription of ours: with every goodbye in, so is every completion.
+        assert await until(lambda: goodbyes >= executors), f"goodbyes from {goodbyes} only"
     finally:
         await nc.close()
+        await redis.aclose()
     by_gen = {gid: [] for gid in ids}
     for rid, evs in events.items():
         by_gen[rid.rsplit("-", 1)[0]] += evs

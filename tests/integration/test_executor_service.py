@@ -4,9 +4,6 @@ heartbeats, callback deliveries and releases, all keyed by the typed identifiers
 
 from __future__ import annotations
 
-import asyncio
-import time
-
 import pytest
 
 from libs.common.jetstream import ensure_images_bucket
@@ -29,15 +26,9 @@ from libs.protocol.tensor_meta import TensorMeta
 from services.executor.service import ExecutorService
 from services.executor.sim import SimRunner, SimStore
 from tests.support.toyprofile import PROFILE
+from tests.support.waiting import until
 
 EXECUTOR = "sim-0"
-
-
-async def until(condition, within: float = 10.0) -> None:
-    deadline = time.monotonic() + within
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.01)
 
 
 @pytest.fixture
@@ -75,7 +66,7 @@ async def test_a_dispatched_node_completes_and_a_release_frees_its_attempt(execu
     d = Dispatch("r", 2, "n", "t", "toy.fn", "m", {}, [OutputPlan("a", 1), OutputPlan("b", 3)])
     ack = ack_decoder.decode((await nc.request(subjects.executor(EXECUTOR), encode(d), timeout=10)).data)
     assert ack.ok
-    await until(lambda: any(isinstance(e, NodeComplete) for e in events))
+    assert await until(lambda: any(isinstance(e, NodeComplete) for e in events)), "no NodeComplete"
     done = next(e for e in events if isinstance(e, NodeComplete))
     assert done.ref == node
     assert [m.tensor_id for m in done.outputs.values()] == [
@@ -84,7 +75,7 @@ async def test_a_dispatched_node_completes_and_a_release_frees_its_attempt(execu
     ]
     assert service.current is None and len(service.store._live) == 2  # noqa: SLF001
     await service.heartbeat()
-    await until(lambda: sum(isinstance(e, ExecutorHeartbeat) for e in events) >= 2)
+    assert await until(lambda: sum(isinstance(e, ExecutorHeartbeat) for e in events) >= 2), "no 2nd beat"
     beat = [e for e in events if isinstance(e, ExecutorHeartbeat)][-1]
     assert beat.resident == ["toy.fn|m"] and beat.running == []
 
@@ -92,12 +83,12 @@ async def test_a_dispatched_node_completes_and_a_release_frees_its_attempt(execu
     await nc.publish(subjects.executor(EXECUTOR), encode(CallbackReady("r", 2, "n", "control", meta)))
     other = CallbackReady("r", 3, "n", "control", meta)
     await nc.publish(subjects.executor(EXECUTOR), encode(other))
-    await until(lambda: len(service.runner.callbacks) == 2)
+    assert await until(lambda: len(service.runner.callbacks) == 2), "callbacks not delivered"
     await nc.publish(subjects.executor(EXECUTOR), encode(ReleaseRequest("r")))  # every attempt held here
-    await until(lambda: not service.store._live)  # noqa: SLF001
+    assert await until(lambda: not service.store._live), "tensors not released"  # noqa: SLF001
     assert len(service.runner.callbacks) == 1  # attempt 3 ran nothing here: kept until it is released
     await nc.publish(subjects.executor(EXECUTOR), encode(ReleaseRequest("r", 3)))
-    await until(lambda: len(service.runner.callbacks) == 0)
+    assert await until(lambda: len(service.runner.callbacks) == 0), "attempt 3 not released"
     assert AttemptRef("r", 2) not in service._attempts.get("r", set())  # noqa: SLF001
 
 
@@ -107,16 +98,38 @@ async def test_peers_release_tensors_on_the_release_subject_only(executor) -> No
     service, nc, subjects, events = executor
     d = Dispatch("r", 1, "n", "t", "toy.fn", "m", {}, [OutputPlan("a", 1)])
     assert ack_decoder.decode((await nc.request(subjects.executor(EXECUTOR), encode(d), timeout=10)).data).ok
-    await until(lambda: any(isinstance(e, NodeComplete) for e in events))
+    assert await until(lambda: any(isinstance(e, NodeComplete) for e in events)), "no NodeComplete"
     tid = NodeRef("r", 1, "n").output("a").encode()
     assert tid in service.store._live  # noqa: SLF001
     await nc.publish(subjects.executor(EXECUTOR), encode(ReleaseTensors([tid])))  # refused there
+    # Handshake: the executor handles the messages of one subscription one at a time, in the order
+    # this connection published them (the service shares it), so once a malformed request after the
+    # ReleaseTensors on ``exec.<id>`` is answered, that ReleaseTensors was handled (and refused).
+    probe = ack_decoder.decode((await nc.request(subjects.executor(EXECUTOR), b"{}", timeout=10)).data)
+    assert not probe.ok and "malformed" in probe.error
+    assert tid in service.store._live  # noqa: SLF001
     # A dispatch on the release subject is not one: nothing runs, nobody answers.
-    d2 = Dispatch("r", 1, "n2", "t", "toy.fn", "m", {}, [OutputPlan("a", 1)])
+    d2 = Dispatch("r", 7, "n2", "t", "toy.fn", "m", {}, [OutputPlan("a", 1)])
     await nc.publish(subjects.executor_release(EXECUTOR), encode(d2))
-    await nc.flush()
-    await asyncio.sleep(0.3)
-    assert tid in service.store._live and service.current is None  # noqa: SLF001
-    assert sum(isinstance(e, NodeComplete) for e in events) == 1
     await nc.publish(subjects.executor_release(EXECUTOR), encode(ReleaseTensors([tid])))
-    await until(lambda: tid not in service.store._live)  # noqa: SLF001
+    assert await until(lambda: tid not in service.store._live), "not released"  # noqa: SLF001
+    # The release after it on the same subject and connection took effect, so the dispatch was
+    # handled before it. Had it been accepted, it would be the current node until its run ended,
+    # and its run records its attempt (kept until a release) before it ends: neither is there.
+    assert service.current is None and service.nodes_run == 1
+    assert AttemptRef("r", 7) not in service._attempts.get("r", set())  # noqa: SLF001
+    assert sum(isinstance(e, NodeComplete) for e in events) == 1
+
+
+async def test_a_dispatch_without_a_reply_subject_is_not_taken_and_the_executor_stays_free(executor) -> None:
+    """Nobody could be told a reply-less dispatch runs: it is dropped (it used to leave the executor
+    'busy' for good, refusing every later dispatch)."""
+    service, nc, subjects, events = executor
+    lost = Dispatch("r", 1, "lost", "t", "toy.fn", "m", {}, [OutputPlan("a", 1)])
+    await nc.publish(subjects.executor(EXECUTOR), encode(lost))
+    # The next dispatch on the same subject and connection is handled after it, and is taken.
+    d = Dispatch("r", 1, "n", "t", "toy.fn", "m", {}, [OutputPlan("a", 1)])
+    ack = ack_decoder.decode((await nc.request(subjects.executor(EXECUTOR), encode(d), timeout=10)).data)
+    assert ack.ok, ack.error
+    assert await until(lambda: any(isinstance(e, NodeComplete) for e in events)), "no NodeComplete"
+    assert [e.node_id for e in events if isinstance(e, NodeComplete)] == ["n"] and service.nodes_run == 1

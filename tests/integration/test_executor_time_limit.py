@@ -30,6 +30,7 @@ from libs.protocol.subjects import Subjects
 from libs.sim.profile import Figure, ModelProfile, Profile
 from services.executor.service import ExecutorService
 from services.executor.sim import SimRunner, SimStore
+from tests.support.waiting import until
 
 LIMIT_S = 0.3
 
@@ -62,13 +63,6 @@ class StuckRunner(SimRunner):
     async def run(self, d, blobs=None):
         await asyncio.to_thread(self.release.wait, 30)  # cancelling the await leaves the thread
         return await super().run(d, blobs)
-
-
-async def until(condition, within: float = 10.0) -> None:
-    deadline = time.monotonic() + within
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.01)
 
 
 async def service_with(common, runner_cls, limit_s: float = LIMIT_S) -> AsyncIterator[tuple]:
@@ -136,6 +130,10 @@ async def stuck_unlimited(common):
         yield x
 
 
+def completed(events: list, node: str) -> bool:
+    return any(isinstance(e, NodeComplete) and e.node_id == node for e in events)
+
+
 async def cancel(nc, subjects, node: str, restart_ok: bool = False) -> None:
     await nc.publish(subjects.executor("sim-limit"), encode(CancelNode("r", 1, node, restart_ok)))
     await nc.flush()
@@ -144,19 +142,19 @@ async def cancel(nc, subjects, node: str, restart_ok: bool = False) -> None:
 async def test_a_simulated_node_over_the_limit_fails_retryably_and_the_executor_serves_on(simulated) -> None:
     service, _, nc, subjects, events = simulated
     assert await dispatch(nc, subjects, "n1", "slow")
-    await until(lambda: any(isinstance(e, NodeFailed) for e in events))
+    assert await until(lambda: any(isinstance(e, NodeFailed) for e in events)), "n1 never failed"
     failed = next(e for e in events if isinstance(e, NodeFailed))
     assert failed.node_id == "n1" and failed.retryable and "time limit" in failed.error
 
     assert await dispatch(nc, subjects, "n2", "m")  # cancelled cleanly: free again
-    await until(lambda: any(isinstance(e, NodeComplete) and e.node_id == "n2" for e in events))
+    assert await until(lambda: completed(events, "n2")), "n2 never completed"
 
 
 async def test_a_node_that_cannot_be_stopped_ends_the_executor_so_it_is_restarted(stuck) -> None:
     service, _, nc, subjects, events = stuck
     run = asyncio.create_task(service.run())
     assert await dispatch(nc, subjects, "n1", "m")
-    await until(lambda: any(isinstance(e, NodeFailed) for e in events))
+    assert await until(lambda: any(isinstance(e, NodeFailed) for e in events)), "n1 never failed"
     assert not await dispatch(nc, subjects, "n2", "m"), "a wedged executor accepted more work"
     with pytest.raises(RuntimeError, match="restarts this executor"):
         await asyncio.wait_for(run, 10)
@@ -167,7 +165,7 @@ async def test_an_attempt_whose_release_never_came_is_freed_after_its_ttl(simula
     service, runner, nc, subjects, events = simulated
     service.attempt_ttl_s = 60.0
     assert await dispatch(nc, subjects, "n1", "m")
-    await until(lambda: any(isinstance(e, NodeComplete) for e in events))
+    assert await until(lambda: completed(events, "n1")), "n1 never completed"
     store = service.store
     assert store.stats()["tensors"] == 1  # its output waits for a consumer (or the release)
 
@@ -182,21 +180,24 @@ async def test_a_never_ending_node_is_stopped_by_the_schedulers_cancel_and_the_e
 ) -> None:
     service, _, nc, subjects, events = unlimited
     assert await dispatch(nc, subjects, "n1", "slow")  # 3600 s, and no limit here
-    await until(lambda: service.current is not None)
+    assert await until(lambda: service.current is not None), "n1 never started"
     await cancel(nc, subjects, "other")  # not the node it runs: ignored
     await cancel(nc, subjects, "n1")
-    t0 = time.monotonic()
-    await until(lambda: any(isinstance(e, NodeFailed) for e in events), 5.0)
-    assert time.monotonic() - t0 < 2.0
+    # Nothing but the cancel can end n1 (an hour-long node, no time limit): its failure says so.
+    assert await until(lambda: any(isinstance(e, NodeFailed) for e in events)), "n1 was not stopped"
     (failed,) = [e for e in events if isinstance(e, NodeFailed)]
     assert (failed.executor, failed.node_id) == ("sim-limit", "n1")
     assert failed.retryable and failed.error == "cancelled by the scheduler"
     assert service.cancelled == 1 and service.current is None
 
     assert await dispatch(nc, subjects, "n2", "m")  # stopped cleanly: free again
-    await until(lambda: any(isinstance(e, NodeComplete) and e.node_id == "n2" for e in events))
+    assert await until(lambda: completed(events, "n2")), "n2 never completed"
     await cancel(nc, subjects, "n2")  # it finished already: nothing to stop
-    await asyncio.sleep(0.2)
+    # Handshake: the executor handles ``exec.<id>`` one message at a time, in the order this
+    # connection published them, so n3 is accepted after the cancel of n2 was handled; n3 then
+    # completing (not failing) and no second failure or cancel before it prove the cancel was ignored.
+    assert await dispatch(nc, subjects, "n3", "m")
+    assert await until(lambda: completed(events, "n3")), "n3 never completed"
     assert service.cancelled == 1 and sum(isinstance(e, NodeFailed) for e in events) == 1
 
 
@@ -206,13 +207,20 @@ async def test_a_cancel_the_runner_cannot_carry_out_restarts_the_executor_only_w
     service, _, nc, subjects, events = stuck_unlimited
     run = asyncio.create_task(service.run())
     assert await dispatch(nc, subjects, "n1", "m")
-    await until(lambda: service.current is not None)
+    assert await until(lambda: service.current is not None), "n1 never started"
     await cancel(nc, subjects, "n1")  # a request that ended: not worth a restart
-    await asyncio.sleep(0.3)
+    # Handshake: a dispatch published after the cancel on the same subject and connection is
+    # answered after the cancel was handled (one message at a time); it is refused, n1 being busy.
+    assert not await dispatch(nc, subjects, "probe", "m"), "a busy executor accepted more work"
+    # Carrying the cancel out would have cancelled n1's work task at once, as the cancel was
+    # handled: the task is still n1's, not done and never asked to stop.
+    running = service._cancellable  # noqa: SLF001
+    assert running is not None and running[0].node_id == "n1"
+    assert not running[1].done() and not running[1].cancelling()
     assert not any(isinstance(e, NodeFailed) for e in events)
     assert not run.done() and service.current is not None
     await cancel(nc, subjects, "n1", restart_ok=True)  # over the scheduler's time limit
-    await until(lambda: any(isinstance(e, NodeFailed) for e in events), 5.0)
+    assert await until(lambda: any(isinstance(e, NodeFailed) for e in events)), "n1 was not stopped"
     (failed,) = [e for e in events if isinstance(e, NodeFailed)]
     assert failed.retryable and failed.error == "cancelled by the scheduler"
     assert not await dispatch(nc, subjects, "n2", "m"), "a wedged executor accepted more work"

@@ -9,6 +9,7 @@ import pytest
 from redis.asyncio import Redis
 
 from libs.common.gpu_lease import GpuLease, GpuLeaseError, lease_key, visible_gpus
+from tests.support.waiting import until
 
 GPUS = ["0", "1", "2", "3"]
 
@@ -23,6 +24,20 @@ async def redis(common):
 def lease(redis, ns, owner, **kw) -> GpuLease:
     kw = {"ttl_s": 5.0, "wait_s": 0.0, "poll_s": 0.05} | kw
     return GpuLease(redis, ns, kw.pop("gpus", GPUS), owner=owner, **kw)
+
+
+async def renewed(redis, key: str, times: int) -> bool:
+    """Whether ``key``'s TTL was renewed ``times`` times (within a bound): between renewals it only
+    falls, so each rise is one (gone, it reads -2: a lapse)."""
+    last, rises = await redis.pttl(key), 0
+
+    async def rose() -> bool:
+        nonlocal last, rises
+        ttl = await redis.pttl(key)
+        last, rises = ttl, rises + (ttl > last)
+        return rises >= times
+
+    return await until(rose, within_s=30.0)
 
 
 async def test_executors_starting_together_claim_distinct_gpus_lowest_first(redis, common):
@@ -70,15 +85,19 @@ async def test_an_expired_lease_is_reclaimed_and_its_old_owner_learns_it_lost_it
 async def test_a_held_lease_is_kept_alive_from_the_claim_on(redis, common):
     held = lease(redis, common.namespace, "held", ttl_s=1.0)
     await held.claim()  # refreshing starts here, before the executor's (slow) start-up
-    await asyncio.sleep(2.5)  # more than twice the TTL: only refreshes keep it
+    # Six renewals, one every third of the TTL: the key has outlived twice its TTL, kept by them.
+    assert await renewed(redis, held.key, 6), "the claimed lease was not refreshed"
     assert await redis.get(held.key) == held.token.encode()
     with pytest.raises(GpuLeaseError):
         await lease(redis, common.namespace, "x", gpus=["0"]).claim()
     runner = asyncio.ensure_future(held.run())
-    await asyncio.sleep(0.1)
+    await asyncio.sleep(0)  # run() starts: it awaits the refreshing
+    assert not runner.done()
     runner.cancel()  # the service stopping: the lease stays until release()
     await asyncio.gather(runner, return_exceptions=True)
-    await asyncio.sleep(1.5)
+    assert runner.cancelled()
+    # Renewed over a TTL after run() was cancelled: the refreshing outlived it.
+    assert await renewed(redis, held.key, 4), "cancelling run() stopped the refreshing"
     assert await redis.get(held.key) == held.token.encode()
     assert await held.release()
     assert await redis.get(lease_key(common.namespace, "box", "0")) is None

@@ -2,7 +2,7 @@
 
 Each child is a small Python process (``CHILD`` below) that opens the tier, asks for one key and
 reports what it got; files in the test's temporary directory sequence it (no sleeps: every wait
-polls a condition with a deadline).
+is ``until_sync`` on a condition, with a deadline).
 """
 
 from __future__ import annotations
@@ -13,31 +13,29 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from libs.dataplane.hosttier import PAGE, HostTier
+from tests.support.waiting import until_sync
 
 REPO = Path(__file__).resolve().parents[2]
 BOUND = 20.0  # upper bound on any wait for another process
 
 CHILD = r"""
-import hashlib, json, os, sys, time
+import hashlib, json, os, sys
 from pathlib import Path
 from libs.dataplane.hosttier import HostTier
+from tests.support.waiting import until_sync
 
 args = json.loads(sys.argv[1])
 
 def wait_for(path):
-    deadline = time.monotonic() + args["bound"]
-    while not os.path.exists(path):
-        if time.monotonic() > deadline:
-            sys.exit(f"timed out waiting for {path}")
-        time.sleep(0.002)
+    if not until_sync(lambda: os.path.exists(path), args["bound"], 0.002):
+        sys.exit(f"timed out waiting for {path}")
 
 def fill(buf):
     with open(args["fills"], "a") as f:
@@ -100,13 +98,6 @@ def sha(data: bytes | memoryview) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def wait_until(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + BOUND
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.002)
-
-
 @pytest.fixture
 def name() -> Iterator[str]:
     tier_name = f"test{uuid.uuid4().hex[:10]}"
@@ -166,9 +157,9 @@ def test_two_processes_asking_for_one_key_at_once_fill_it_once_and_see_the_same_
     procs = [children.start("ckpt", nbytes, budget, **gated) for _ in range(2)]
     with HostTier(name, budget) as tier:
         # The first to take the lock fills (and blocks in its fill); the other must wait for it.
-        wait_until(
-            lambda: (tmp_path / "started").exists() and tier.stats()["waits"] >= 1, "a fill and a waiter"
-        )
+        assert until_sync(
+            lambda: (tmp_path / "started").exists() and tier.stats()["waits"] >= 1, BOUND, 0.002
+        ), "no fill and waiter"
         assert not tier.contains("ckpt") and tier.tags() == set()
         (tmp_path / "gate").touch()
         reports = [children.report(p) for p in procs]
@@ -188,9 +179,9 @@ def test_an_entry_a_live_process_holds_is_kept_while_one_a_dead_process_held_is_
 ):
     budget = 2 * PAGE
     live = children.start("live", PAGE, budget, held="live-held", hold_gate="live-gate")
-    wait_until((tmp_path / "live-held").exists, "the live holder")
+    assert until_sync((tmp_path / "live-held").exists, BOUND, 0.002), "the live holder never held"
     dead = children.start("dead", PAGE, budget, held="dead-held", hold_gate="never")
-    wait_until((tmp_path / "dead-held").exists, "the doomed holder")
+    assert until_sync((tmp_path / "dead-held").exists, BOUND, 0.002), "the doomed holder never held"
     dead.send_signal(signal.SIGKILL)
     dead.wait(timeout=BOUND)
     with HostTier(name, budget) as tier:
@@ -216,7 +207,7 @@ def test_a_process_killed_mid_fill_leaves_an_entry_the_next_caller_reclaims_and_
 ):
     nbytes, budget = 2 * PAGE, 4 * PAGE
     filler = children.start("ckpt", nbytes, budget, fill_started="started", fill_gate="never")
-    wait_until((tmp_path / "started").exists, "the fill to start")
+    assert until_sync((tmp_path / "started").exists, BOUND, 0.002), "the fill never started"
     filler.send_signal(signal.SIGKILL)
     filler.wait(timeout=BOUND)
     with HostTier(name, budget) as tier:

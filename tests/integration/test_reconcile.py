@@ -8,14 +8,13 @@ had no node there for ``reconcile_grace_s``. The list is fenced by the lease epo
 
 from __future__ import annotations
 
-import asyncio
-
 import msgspec
 import pytest
 
 from libs.protocol.ids import AttemptRef
 from libs.protocol.messages import Dispatch, LiveAttempts, ack_decoder, encode
-from tests.integration.test_scheduler_faults import World, profile, until
+from tests.integration.test_scheduler_faults import World, profile
+from tests.support.waiting import until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -29,17 +28,22 @@ async def world(common):
 async def _hold_an_attempt(world: World, ex, rid: str, epoch: int = 5) -> None:
     """A made-up node (it fails), whose attempt the executor then holds until it is released."""
     d = Dispatch(rid, 1, "n", "tenant-a", "nope", "nope", {}, [], epoch=epoch)
-    reply = await world.nc.request(world.subjects.executor(ex.id), encode(d), 2.0)
+    reply = await world.nc.request(world.subjects.executor(ex.id), encode(d), 10.0)
     assert ack_decoder.decode(reply.data).ok
-    assert await until(lambda: ex.current is None, 5.0)
+    assert await until(lambda: ex.current is None), "the made-up node did not end"
     assert rid in ex._attempts  # noqa: SLF001
 
 
 async def _broadcast(world: World, live: LiveAttempts | bytes) -> None:
+    """Publish on ``exec.all`` and return once the executor has handled it."""
     data = live if isinstance(live, bytes) else encode(live)
     await world.nc.publish(world.subjects.executors_all, data)
-    await world.nc.flush()
-    await asyncio.sleep(0.2)
+    # Handshake: the executor handles its ``exec.all`` subscription one message at a time, in the
+    # order this connection published them, and answers a malformed request there; once it has,
+    # the list before it was handled (whatever it did or did not free is done).
+    reply = await world.nc.request(world.subjects.executors_all, b"{}", timeout=10)
+    ack = ack_decoder.decode(reply.data)
+    assert not ack.ok and "malformed" in ack.error
 
 
 async def test_an_attempt_the_scheduler_no_longer_lists_is_freed_after_the_grace(world):
@@ -80,6 +84,6 @@ async def test_the_leader_lists_its_requests_and_an_executor_drops_what_it_forgo
     (rid,) = await world.submit(1)
     assert await until(lambda: any(f"{rid}/1" in m.attempts for m in lists), 10.0), lists[-3:]
     assert all(m.epoch == sched.epoch for m in lists)
-    assert await until(lambda: "forgotten" not in ex._attempts, 5.0)  # noqa: SLF001
+    assert await until(lambda: "forgotten" not in ex._attempts), "not freed"  # noqa: SLF001
     results = await world.wait_results([rid], within_s=30.0)
     assert results[rid].status == "succeeded"  # the live request was never touched

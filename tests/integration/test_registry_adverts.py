@@ -4,7 +4,6 @@ its own catalog united with the advertisements (real NATS and Redis)."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import msgspec
 import pytest
@@ -17,6 +16,7 @@ from services.executor.advertise import Advertiser
 from services.registry.store import AdvertStore
 from tests.support import plugin_flux
 from tests.support.registry import running_registry
+from tests.support.waiting import until, until_sync
 
 PLUGIN = plugin_flux.PLUGIN  # tests/plugins/t2i_example: installed here, but not in this registry
 
@@ -57,16 +57,27 @@ async def test_a_spec_with_a_modelfn_only_an_executor_advertises_is_accepted(reg
     assert missing.problems[0].path == problem.path
 
 
-async def test_the_advertiser_keeps_retrying_until_a_registry_answers(common, registry):
+async def test_the_advertiser_keeps_retrying_until_a_registry_answers(common, registry, monkeypatch):
     client, nc, service = registry
     await service.stop()  # no registry for now
     advertiser = Advertiser(nc, common.namespace, "early-executor", catalog.signatures(), timeout_s=0.3)
+    rounds: list[AdvertAck | None] = []  # what each of run()'s rounds got
+    advertise = advertiser.advertise
+
+    async def counted() -> AdvertAck | None:
+        ack = await advertise()
+        rounds.append(ack)
+        return ack
+
+    monkeypatch.setattr(advertiser, "advertise", counted)
     task = asyncio.ensure_future(advertiser.run())
     try:
-        await asyncio.sleep(0.5)
-        assert not advertiser.acked.is_set()
+        # A round has ended with no answer (nobody serves the subject): nothing acknowledged it.
+        assert await until(lambda: rounds), "the advertiser never tried"
+        assert rounds[0] is None and not advertiser.acked.is_set()
         await service.start()
-        await asyncio.wait_for(advertiser.acked.wait(), timeout=15)
+        await asyncio.wait_for(advertiser.acked.wait(), timeout=30)
+        assert rounds[-1] is not None and rounds[-1].ok and len(rounds) >= 2  # a later round
         assert (await client.register(inverted_flux())).ok
     finally:
         task.cancel()
@@ -121,12 +132,11 @@ def test_executor_processes_advertise_to_the_registry_under_their_credentials(tm
     with started(sim_stack(tmp_path, secure=True)) as stack:
         r = sync_redis.Redis.from_url(stack.redis_url)
         try:
-            deadline = time.monotonic() + 30
-            while not (stored := r.hgetall(adverts_key(stack.namespace))) and time.monotonic() < deadline:
-                time.sleep(0.2)
+            arrived = until_sync(lambda: r.hgetall(adverts_key(stack.namespace)), 30.0, 0.1)
+            stored = r.hgetall(adverts_key(stack.namespace))
         finally:
             r.close()
-        assert stored, "no executor advertisement reached the registry"
+        assert arrived and stored, "no executor advertisement reached the registry"
         ((executor, raw),) = stored.items()
         assert executor.decode().startswith(stack.namespace)
         assert PLUGIN in json.loads(raw)["signatures"]

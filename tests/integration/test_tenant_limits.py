@@ -150,7 +150,9 @@ async def test_the_schedulers_per_tenant_backlog_cap_answers_rate_limited_and_th
 
 
 async def test_a_tenant_over_its_gpu_second_quota_gets_429_until_the_window_ends(world):
-    window = 4
+    # Alice's refusal, bob's three calls and her second refusal must all fall in one window: 10 s
+    # leaves room for a loaded machine (they take 1-3 s on an idle one).
+    window = 10
     await world.start_registry()
     sched = await world.start_scheduler(view_s=0.1)
     sched.vtimes.window_refresh_s = 0.1

@@ -6,7 +6,6 @@ writer changes nothing, the window hash included.
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import pytest
@@ -15,6 +14,7 @@ from redis.asyncio import Redis
 from libs.protocol.keys import Keys
 from services.scheduler.effects import ChargeVTime
 from services.scheduler.vtime_store import StaleEpoch, VTimeStore
+from tests.support.waiting import until
 
 
 @pytest.fixture
@@ -49,15 +49,24 @@ async def test_measured_service_is_added_to_the_current_window_with_a_ttl_of_two
     assert 1100 < await store.redis.ttl(key) <= 1200
 
 
+def window_index(key: bytes) -> int:
+    return int(key.rsplit(b":", 1)[1])
+
+
 async def test_a_new_window_starts_a_new_hash(store):
     await store.redis.set(store.keys.quota_window, "1")
-    await asyncio.sleep(1.0 - time.time() % 1.0 + 0.01)  # just after a window starts
     await store.apply(ChargeVTime("a", service_s=1.5))
-    first = int(time.time() // 1)
-    await asyncio.sleep(1.0)
+    (key,) = await windows(store)  # the window the charge fell in, whichever second it was
+    first = window_index(key)
+    # A new one-second window must begin: the clock passing into the next second is the event.
+    assert await until(lambda: time.time() // 1 > first, 5.0, 0.01), "the clock stood still"
+    after = int(time.time() // 1)
     await store.apply(ChargeVTime("a", service_s=0.5))
+    (key,) = set(await windows(store)) - {key}  # a new hash, for the window the clock is in now
+    second = window_index(key)
+    assert after <= second <= int(time.time() // 1)
     assert await store.redis.hget(store.keys.gpu_window(1, first), "a") == b"1.5"
-    assert await store.redis.hget(store.keys.gpu_window(1, first + 1), "a") == b"0.5"
+    assert await store.redis.hget(store.keys.gpu_window(1, second), "a") == b"0.5"
     assert await store.redis.ttl(store.keys.gpu_window(1, first)) <= 2
     assert float(await store.redis.hget(store.keys.service, "a")) == 2.0  # the total is unchanged
 
