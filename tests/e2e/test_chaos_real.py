@@ -31,6 +31,7 @@ from tests.e2e.test_generate_e2e import monolithic, pixels
 from tests.integration.test_chaos import RETRYABLE, leader
 from tests.support.http import generate
 from tests.support.stacks import started
+from tests.support.waiting import elapse_sync, until_sync
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -80,14 +81,16 @@ def test_images_after_an_executor_and_the_leader_are_killed_equal_the_fault_free
 
     def submit(i: int) -> None:
         tenant, body, idem = jobs[i]
-        deadline = time.monotonic() + 200
-        while True:
+
+        def answered() -> bool:
+            if answers[i] is not None:
+                repeats[i] += 1  # the same call again, by its key: the same request
             status, out = generate(stack.url, f"sk-real-{tenant}", body, idem, timeout=150)
             answers[i] = (status, out)
-            if status not in RETRYABLE or time.monotonic() > deadline:
-                return
-            repeats[i] += 1
-            time.sleep(0.5)
+            return status not in RETRYABLE
+
+        # Repeated while it breaks; one still broken after 200 s fails the status check below.
+        until_sync(answered, 200, step=0.5)
 
     faults: list[str] = []
     with ThreadPoolExecutor(REQUESTS) as pool:
@@ -95,13 +98,14 @@ def test_images_after_an_executor_and_the_leader_are_killed_equal_the_fault_free
         # The faults: once some denoising has happened (a request's first nodes are done), kill
         # an executor in mid-request; a little later, the leading scheduler.
         t0 = time.monotonic()
-        while time.monotonic() - t0 < 60 and not _any_progress(r, keys):
-            time.sleep(0.1)
-        time.sleep(rng.uniform(0.2, 1.0))
+        assert until_sync(lambda: _any_progress(r, keys), 60, step=0.1), "no request finished a node"
+        elapse_sync(rng.uniform(0.2, 1.0), because="the chaos schedule: a seeded-random moment mid-request")
         victim = f"executor-{rng.randrange(3)}"
         stack.restart(victim)
         faults.append(f"{victim} at {time.monotonic() - t0:.1f}s")
-        time.sleep(rng.uniform(0.5, 1.5))
+        elapse_sync(
+            rng.uniform(0.5, 1.5), because="the chaos schedule: the leader a seeded-random while later"
+        )
         first = leader(stack, r)
         stack.restart(first)
         faults.append(f"{first} (leader) at {time.monotonic() - t0:.1f}s")

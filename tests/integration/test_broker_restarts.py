@@ -16,21 +16,41 @@ import time
 import uuid
 
 import pytest
+import redis
 
 from libs.launcher.stack import Stack
+from libs.protocol.keys import Keys
 from libs.sim.workflows import sim_workflow
 from libs.workflow.spec import encode_spec
 from tests.support.http import generate
 from tests.support.stacks import sim_stack, started
+from tests.support.waiting import elapse_sync, until_sync
 
 pytestmark = pytest.mark.timeout(180)
 
 REQUESTS = 12
 DOWN_S = 3.0
+RETRYABLE = (0, 429, 502, 503, 504)
 
 
 def call(stack: Stack, body: dict, key: str, timeout: float) -> tuple[int, dict]:
     return generate(stack.url, stack.api_keys.split(",")[0].split("=")[0], body, key, timeout)
+
+
+def in_flight(stack: Stack) -> tuple[int, int]:
+    """(image requests the scheduler has taken in, those of them with a node done and not ended)."""
+    r = redis.Redis.from_url(stack.redis_url)
+    try:
+        taken = running = 0
+        for key in r.scan_iter(match=Keys(stack.namespace).request("*"), count=1000):
+            attempt, done, status = r.hmget(key, "attempt", "nodes_done", "status")
+            if attempt:
+                taken += 1
+                if int(done or 0) > 0 and status not in (b"succeeded", b"failed", b"cancelled"):
+                    running += 1
+        return taken, running
+    finally:
+        r.close()
 
 
 @pytest.fixture
@@ -59,8 +79,13 @@ def test_requests_in_flight_survive_a_nats_crash_and_restart(stack: Stack) -> No
     threads = [threading.Thread(target=submit, args=(i,)) for i in range(REQUESTS)]
     for t in threads:
         t.start()
-        time.sleep(0.05)
-    time.sleep(0.5)  # requests are running on the executors
+        elapse_sync(0.05, because="the requests arrive 50 ms apart, not all at once")
+
+    def running() -> bool:  # every request reached the scheduler, and some run on the executors
+        taken, busy = in_flight(stack)
+        return taken == REQUESTS and busy > 0
+
+    assert until_sync(running, 30), f"the requests are not in flight: {in_flight(stack)}"
     down = stack.restart_nats(DOWN_S)
     for t in threads:
         t.join(90)
@@ -71,15 +96,19 @@ def test_requests_in_flight_survive_a_nats_crash_and_restart(stack: Stack) -> No
     for i in range(REQUESTS):
         if i in answered:
             continue
-        while True:  # the same call again, by its key: the stored result, or a wait for it
-            status, body = call(stack, bodies[i], keys[i], timeout=30)
-            if status == 200:
-                recovered.append(i)
-                break
-            if status not in (0, 429, 502, 503, 504) or time.monotonic() > deadline:
-                (failed if body.get("error") else vanished).append((i, status, body))
-                break
-            time.sleep(1)
+        last: list[tuple[int, dict]] = []
+
+        def settled(i: int = i, last: list = last) -> bool:
+            # The same call again, by its key: the stored result, or a wait for it.
+            last[:] = [call(stack, bodies[i], keys[i], timeout=30)]
+            return last[0][0] not in RETRYABLE
+
+        until_sync(settled, max(0.0, deadline - time.monotonic()), step=1.0)
+        status, body = last[0]
+        if status == 200:
+            recovered.append(i)
+        else:  # failed for good, or still no answer after the deadline
+            (failed if body.get("error") else vanished).append((i, status, body))
     print(
         f"\nnats down {down:.1f} s with {REQUESTS} requests in flight: {len(answered)} answered, "
         f"{len(recovered)} recovered by their Idempotency-Key, {len(failed)} failed, {len(vanished)} vanished"

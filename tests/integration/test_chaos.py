@@ -41,6 +41,7 @@ from libs.sim.workflows import sim_workflow
 from libs.workflow.spec import encode_spec
 from tests.support.http import generate
 from tests.support.stacks import sim_stack, started
+from tests.support.waiting import elapse_sync, until_sync
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -77,16 +78,33 @@ def stack(broker_urls, tmp_path):
 
 def leader(stack: Stack, r: redis.Redis, wait_s: float = 30.0) -> str:
     """The name of the scheduler process holding the lease (its holder id is host-pid-random)."""
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
+    found: list[str] = []
+
+    def held_by_a_live_scheduler() -> bool:
         holder = r.get(Keys(stack.namespace).scheduler_lease)
         if holder:
             pid = int(holder.decode().rsplit("-", 2)[1])
-            for name, proc in stack.procs.items():
-                if name.startswith("scheduler") and proc.pid == pid and proc.poll() is None:
-                    return name
-        time.sleep(0.1)
-    raise AssertionError(f"no live scheduler holds the lease\n{stack.tail('scheduler-0')}")
+            found[:] = [
+                name
+                for name, proc in stack.procs.items()
+                if name.startswith("scheduler") and proc.pid == pid and proc.poll() is None
+            ]
+        return bool(found)
+
+    assert until_sync(held_by_a_live_scheduler, wait_s, step=0.1), (
+        f"no live scheduler holds the lease\n{stack.tail('scheduler-0')}"
+    )
+    return found[0]
+
+
+def running(r: redis.Redis, keys: Keys) -> bool:
+    """Whether some image request of the stack has been taken in by the scheduler (its attempt is
+    counted in its state) and has not ended."""
+    for key in r.scan_iter(match=keys.request("*"), count=1000):
+        state = r.hmget(key, "attempt", "status")
+        if state[0] and state[1] not in (b"succeeded", b"failed", b"cancelled"):
+            return True
+    return False
 
 
 def test_crashes_of_an_executor_the_leader_and_the_gateway_lose_no_request(stack: Stack) -> None:
@@ -110,35 +128,39 @@ def test_crashes_of_an_executor_the_leader_and_the_gateway_lose_no_request(stack
 
     def submit(i: int) -> None:
         tenant, body, idem = jobs[i]
-        deadline = time.monotonic() + 150
-        while True:
+
+        def answered() -> bool:
+            if answers[i] is not None:
+                repeats[i] += 1  # the same call again, by its key: the same request
             gateway_back.wait(30)
             status, out = call(stack, api[tenant], body, idem, timeout=120)
             answers[i] = (status, out)
-            if status not in RETRYABLE or time.monotonic() > deadline:
-                return
-            repeats[i] += 1  # the same call again, by its key: the same request
-            time.sleep(0.5 + random.random())  # noqa: S311 - not the seeded one
+            return status not in RETRYABLE
+
+        # Repeated, a random pause apart, while it breaks; one still broken after 150 s is
+        # reported with the others below.
+        until_sync(answered, 150, step=0.5 + random.random())  # noqa: S311 - not the seeded one
 
     t0 = time.monotonic()
     pool = ThreadPoolExecutor(max_workers=REQUESTS)
     futures = []
     for i in range(REQUESTS):
         futures.append(pool.submit(submit, i))
-        time.sleep(0.01)
+        elapse_sync(0.01, because="the calls arrive over two seconds, not all at once")
 
     # The faults, at seeded-random moments while the requests run, in a seeded-random order.
+    assert until_sync(lambda: running(r, keys), 60, step=0.05), "no request was taken in"
     faults = ["sim-executors", "leader", "gateway"]
     rng.shuffle(faults)
     done_faults: list[tuple[float, str, str]] = []
     for fault in faults:
-        time.sleep(rng.uniform(0.5, 2.5))
+        elapse_sync(rng.uniform(0.5, 2.5), because="the chaos schedule: a seeded-random gap between faults")
         name = leader(stack, r) if fault == "leader" else fault
         if fault == "gateway":
             gateway_back.clear()
         stack.kill(name)
         done_faults.append((time.monotonic() - t0, fault, name))
-        time.sleep(rng.uniform(0.2, 1.0))  # down a while
+        elapse_sync(rng.uniform(0.2, 1.0), because="the killed process stays down a seeded-random while")
         if fault == "leader":
             leader(stack, r)  # the standby took the lease: the killed one comes back as a standby
         stack.restart(name)
@@ -172,14 +194,16 @@ def test_crashes_of_an_executor_the_leader_and_the_gateway_lose_no_request(stack
     # One image request per call reached the scheduler, each succeeded once (Redis state). The
     # requests a crashed leader answered but did not ack are run again by the next (documented):
     # their state settles when that run ends.
-    settle = time.monotonic() + 40
-    while True:
-        states = {}
+    states: dict[str, dict] = {}
+
+    def settled() -> bool:
+        states.clear()
         for k in r.scan_iter(match=f"{stack.namespace}:req:*", count=1000):
             states[k.decode().rsplit(":", 1)[1]] = r.hgetall(k)
-        if time.monotonic() > settle or all(s.get(b"status") == b"succeeded" for s in states.values()):
-            break
-        time.sleep(0.5)
+        return all(s.get(b"status") == b"succeeded" for s in states.values())
+
+    # One that has not settled within 40 s is reported below (``stuck``), after the figures.
+    until_sync(settled, 40, step=0.5)
     statuses = {rid: s.get(b"status", b"").decode() for rid, s in states.items()}
     attempts = {rid: int(s.get(b"attempt", 0) or 0) for rid, s in states.items()}
     reexecuted = sum(a - 1 for a in attempts.values() if a > 1)

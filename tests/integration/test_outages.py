@@ -22,13 +22,16 @@ from itertools import groupby
 from pathlib import Path
 
 import pytest
+import redis
 
 from libs.launcher.stack import Stack
+from libs.protocol.keys import Keys
 from libs.sim.workflows import sim_workflow
 from libs.workflow.spec import encode_spec
 from tests.support.calls import Call, figures, start_call
 from tests.support.stacks import sim_stack, started
 from tests.support.supervise import Supervisor
+from tests.support.waiting import elapse_sync, until_sync
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -81,7 +84,8 @@ class Clients:
             self.threads.append(
                 start_call(self.stack.url, call, self.deadline, self.t0, retry_5xx=self.retry_5xx)
             )
-            time.sleep(gap_s)
+            if gap_s:
+                elapse_sync(gap_s, because="the calls of a phase arrive gap_s apart, not all at once")
 
     def send_at(self, phase: str, delays_s: list[float]) -> Iterator[threading.Timer]:
         """Calls sent ``delays_s`` from now, while this thread does something else (a restart)."""
@@ -128,11 +132,24 @@ def squeeze(labels: list[str]) -> list[str]:
 
 
 def wait_for_log(stack: Stack, name: str, text: str, count: int, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while stack.read_log(name).count(text) < count:
+    def logged() -> bool:
+        if stack.read_log(name).count(text) >= count:
+            return True
         assert stack.procs[name].poll() is None, stack.tail(name)
-        assert time.monotonic() < deadline, f"{name} not ready after {timeout:.0f}s\n{stack.tail(name)}"
-        time.sleep(0.1)
+        return False
+
+    assert until_sync(logged, timeout, step=0.1), f"{name} not ready after {timeout:.0f}s\n{stack.tail(name)}"
+
+
+def taken_in(stack: Stack) -> int:
+    """How many image requests the scheduler has taken in (queuing one counts its attempt up in
+    its state), ended or not."""
+    r = redis.Redis.from_url(stack.redis_url)
+    try:
+        keys = r.scan_iter(match=Keys(stack.namespace).request("*"), count=1000)
+        return sum(1 for k in keys if r.hget(k, "attempt"))
+    finally:
+        r.close()
 
 
 # -- the registry down for 30 s ------------------------------------------------------------------------
@@ -163,12 +180,12 @@ def test_registry_down_30s(stack: Stack) -> None:
     register_workflow(stack)
     clients = Clients(stack, deadline_s=REGISTRY_DOWN_S + 40)
     clients.send("before", 12, gap_s=0.05)
-    time.sleep(0.5)  # they are being taken in and run
+    assert until_sync(lambda: taken_in(stack) >= 12, 30), "the first calls were not taken in"
     t_kill = time.monotonic()
     stack.kill("registry")
     for _ in range(12):  # 2.5 s apart: 30 s of calls while the registry is away
         clients.send("during")
-        time.sleep(REGISTRY_DOWN_S / 12)
+        elapse_sync(REGISTRY_DOWN_S / 12, because="calls keep arriving through the 30 s the registry is away")
     stack.restart("registry")
     wait_for_log(stack, "registry", "registry ready", 2, timeout=30)
     down = time.monotonic() - t_kill
@@ -221,12 +238,14 @@ def test_redis_restarted(redis_stack: Stack) -> None:
     clients = Clients(stack, deadline_s=REQUEST_TIMEOUT_S + 30, retry_5xx=True)
     with Supervisor(stack) as supervisor:
         clients.send("before", 12, gap_s=0.05)
-        time.sleep(1.0)  # they are being taken in and run
+        assert until_sync(lambda: taken_in(stack) >= 12, 30), "the first calls were not taken in"
         timers = list(clients.send_at("during", [0.3, 1.0, 1.7]))
         down = stack.restart_redis(REDIS_DOWN_S)
         for t in timers:
             t.join()
-        time.sleep(1.0)
+        # Redis is back for the gateway (its tenant view is read from Redis) before the last calls.
+        back = until_sync(lambda: stack.http("GET", "/v1/admin/tenants", key=ADMIN_KEY)[0] == 200, 30)
+        assert back, f"the gateway does not reach Redis again\n{stack.tail('gateway')}"
         clients.send("after", 3, gap_s=0.05)
         clients.join()
 

@@ -39,6 +39,7 @@ from services.scheduler.effects import ChargeVTime
 from services.scheduler.lease import Lease
 from services.scheduler.vtime_store import StaleEpoch, VTimeStore
 from tests.integration.test_scheduler_faults import World, profile, until
+from tests.support.waiting import elapse_sync
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -142,7 +143,7 @@ async def _attempt(world: World, rid: str) -> int:
 
 
 def _stall_sleeping(seconds: float) -> None:
-    time.sleep(seconds)  # a blocking call on the loop (the GIL is released)
+    elapse_sync(seconds, because="a blocking call on the event loop (the GIL is released meanwhile)")
 
 
 def _stall_computing(seconds: float) -> None:

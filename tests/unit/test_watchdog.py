@@ -5,17 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 from libs.common.watchdog import LoopWatchdog
-from tests.support.waiting import until
+from tests.support.waiting import until, until_sync
 
 
-def _hold_the_loop_until_reported(wd: LoopWatchdog, cap_s: float = 30.0) -> None:
+def _hold_the_loop_until_reported(wd: LoopWatchdog) -> None:
     """Block the loop (as a long synchronous call would) until the watchdog has reported it."""
-    end = time.monotonic() + cap_s
-    while wd.reported == 0 and time.monotonic() < end:
-        time.sleep(0.005)
+    assert until_sync(lambda: wd.reported > 0, 30.0, step=0.005), "the stall was never reported"
 
 
 async def test_a_blocked_loop_is_reported_with_the_blocking_code_and_its_lag_observed(caplog):
