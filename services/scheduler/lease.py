@@ -81,6 +81,7 @@ class Lease:
         self.valid_until = 0.0
         self.polls = 0  # acquisitions tried as a standby
         self.renewals = 0  # successful renewals
+        self.failed_renewals = 0  # renewals Redis did not answer (retried until the TTL runs out)
         self._stop = threading.Event()  # the keeper ends (giving the lease up if it holds it)
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -192,10 +193,18 @@ class Lease:
                     said = True
                     log.info(
                         "scheduler standby (namespace %s): the lease is held by %s; polling for it",
-                        self.keys.ns, _decoded(r.get(self.keys.scheduler_lease)),
+                        self.keys.ns, self._holder_now(r),
                     )  # fmt: skip
             self._stop.wait(self.poll_s)
         return False
+
+    def _holder_now(self, r: redis.Redis) -> str:
+        """Who holds the lease, for the standby's log line (whatever Redis answers)."""
+        try:
+            v = r.get(self.keys.scheduler_lease)
+        except Exception as e:  # noqa: BLE001 - only a log line depends on it
+            return f"(unknown: {type(e).__name__})"
+        return "nobody" if v is None else v.decode(errors="replace")
 
     def _taken(self) -> None:
         if self._acquired is not None and not self._acquired.done():
@@ -217,6 +226,7 @@ class Lease:
                         f"Redis could not be reached to renew the lease within its {self.ttl_s:g} s TTL"
                     )
                     return
+                self.failed_renewals += 1
                 log.warning("renewing the scheduler lease failed: %s: %s", type(e).__name__, e)
                 wait = min(_RETRY_S, left)
                 continue
@@ -242,7 +252,3 @@ class Lease:
         if self._renewed is not None:
             self._renewed.set()  # waiters see ``held`` false
         self._on_lost(reason)
-
-
-def _decoded(v: bytes | None) -> str | None:
-    return None if v is None else v.decode()

@@ -13,7 +13,8 @@
 * an executor refuses a dispatch with a lower epoch than one it has seen, and ignores such a
   release; the vTime script refuses a write with a stale epoch;
 * the lease: one holder at a time, a new epoch per acquisition, renewal only by its holder; its
-  keeper reports it lost once another holds it.
+  keeper reports it lost once another holds it, or once Redis could not be reached for a TTL, and
+  rides out a shorter outage.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from libs.protocol.messages import (
 from services.scheduler.effects import ChargeVTime
 from services.scheduler.lease import Lease
 from services.scheduler.vtime_store import StaleEpoch, VTimeStore
-from tests.integration.test_scheduler_faults import World, profile, until
+from tests.integration.test_scheduler_faults import Proxy, World, profile, until
 from tests.support.waiting import elapse_sync
 
 pytestmark = pytest.mark.timeout(120)
@@ -297,3 +298,44 @@ async def test_a_leases_keeper_renews_it_and_reports_it_lost_once_another_holds_
     await lease.wait_valid()  # returns at once: lost, nothing to wait for
     await lease.release()
     assert await world.redis.get(world.keys.scheduler_lease) == b"b"  # not deleted: not its own
+
+
+async def _lease_through_a_proxy(world: World, ttl_s: float) -> tuple[Lease, Proxy]:
+    host, port = world.common.redis_url.split("//", 1)[1].split("/", 1)[0].rsplit(":", 1)
+    proxy = Proxy(host, int(port))
+    await proxy.start()
+    url = f"redis://127.0.0.1:{proxy.listen}/0"
+    return Lease(lambda: connect_redis_sync(url, 0.5), world.keys, ttl_s, 0.05, holder="a"), proxy
+
+
+async def test_a_lease_keeper_that_cannot_reach_redis_for_a_ttl_reports_the_lease_lost(world):
+    lease, proxy = await _lease_through_a_proxy(world, 1.5)
+    lost = Lost()
+    try:
+        await lease.acquire(lost)
+        proxy.cut()  # Redis away for good, for this keeper
+        await asyncio.wait_for(lost.event.wait(), 15.0)
+        assert "could not be reached" in lost.reasons[0] and lease.failed_renewals >= 1
+        assert not lease.held and not lease.valid()
+    finally:
+        await lease.release()
+        await proxy.close()
+
+
+async def test_a_lease_keeper_rides_out_a_redis_outage_shorter_than_the_ttl(world):
+    lease, proxy = await _lease_through_a_proxy(world, 3.0)
+    lost = Lost()
+    try:
+        await lease.acquire(lost)
+        proxy.cut()
+        # Restored as soon as a renewal has failed: at least 1.8 s before the TTL can run out (a
+        # renewal is due every second, and a refused connection fails at once).
+        assert await until(lambda: lease.failed_renewals >= 1, 10.0), "no renewal failed"
+        proxy.restore()
+        renewed = lease.renewals
+        assert await until(lambda: lease.renewals > renewed, 10.0), "not renewed after the outage"
+        assert lease.valid() and not lost.reasons and lease.epoch == 1
+        assert await world.redis.get(world.keys.scheduler_lease) == b"a"
+    finally:
+        await lease.release()
+        await proxy.close()
