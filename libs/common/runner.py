@@ -42,6 +42,20 @@ async def run_service(*tasks: Awaitable[None]) -> None:
             loop.remove_signal_handler(sig)
 
 
+def raise_if_cancelled() -> None:
+    """Raise ``CancelledError`` if the current task was cancelled and the error was swallowed.
+
+    nats-py catches ``CancelledError`` in some of its calls (its pending-data flush, which
+    ``subscribe`` and ``publish`` go through), so a cancel that arrives during one is lost: the call
+    returns normally and the task goes on as if never cancelled, though ``Task.cancelling()`` still
+    counts the request. A task that must stop when cancelled (a service being shut down) calls this
+    after a run of such calls.
+    """
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
 async def close_quietly(aw: Awaitable[object], what: str, grace_s: float | None = None) -> None:
     """Await a shutdown step (``nc.drain()``, ``redis.aclose()``) without letting it hang the exit."""
     try:

@@ -19,6 +19,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 
+from libs.common.runner import raise_if_cancelled
 from libs.common.service import own
 from services.scheduler.lease import LeaseLost
 from services.scheduler.service import SchedulerService
@@ -53,7 +54,9 @@ class Succession:
                 own(stack, svc.stop, "scheduler")
                 self.current = svc
                 self.reigns += 1
+                raise_if_cancelled()  # a stop that nats-py swallowed while connecting
                 await svc.start()
+                raise_if_cancelled()  # ... or while subscribing: it must not serve for ever
                 self._started = svc
                 try:
                     await svc.run()
