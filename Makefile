@@ -7,7 +7,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint bench install brokers browser models compose-check clean
+.PHONY: run test lint bench install brokers browser models compose-check compose-smoke clean
 
 # tests/plugins/t2i_example is a user ModelFn package, installed the way users ship theirs.
 $(STAMP): pyproject.toml tests/plugins/t2i_example/pyproject.toml
@@ -54,6 +54,13 @@ bench: install brokers
 compose-check: install
 	$(BIN)/docker-compose -f deploy/compose.yaml config --quiet
 	T2I_EXECUTORS=4 $(BIN)/docker-compose -f deploy/compose.yaml config --quiet
+	$(BIN)/docker-compose -f deploy/compose.yaml -f deploy/compose.local.yaml config --quiet
+
+# `docker compose up` of deploy/compose.yaml for real, then `down -v` (bench/compose_smoke.py; minutes):
+# on a machine without GPUs or a registry, with deploy/compose.local.yaml and the local images of
+# deploy/local/build-images.sh (root: debootstrap). Needs a Docker daemon. SMOKE_ARGS=--gpu on a GPU box.
+compose-smoke: install
+	$(BIN)/python bench/compose_smoke.py $(SMOKE_ARGS)
 
 clean:
 	rm -rf $(VENV) models var out

