@@ -172,3 +172,45 @@ def t5_tokenizer() -> Any:
     vocab += [("▁" + c, -1.0) for c in _T5_CHARS]
     vocab += [(c, -2.0) for c in _T5_CHARS]
     return T5TokenizerFast(vocab=vocab, extra_ids=0)
+
+
+def save_in_hub_cache(
+    folder: str | os.PathLike[str], repo_id: str, cache_dir: str | os.PathLike[str]
+) -> Path:
+    """Lay ``folder`` (a saved pipeline or component) out in ``cache_dir`` as the Hugging Face hub
+    client caches a download of ``repo_id`` (``models--org--name/``: every file a content-named blob
+    under ``blobs/``, linked from ``snapshots/<commit>/``, ``refs/main`` naming the commit), so it
+    resolves offline (``HF_HUB_OFFLINE=1``) as if it had been downloaded. The commit is a hash of
+    the files; hidden folders (converted checkpoints) are left out. Returns the snapshot folder."""
+    import hashlib
+
+    src = Path(folder)
+    repo = Path(cache_dir) / ("models--" + repo_id.replace("/", "--"))
+    files = sorted(
+        p
+        for p in src.rglob("*")
+        if p.is_file() and not any(x.startswith(".") for x in p.relative_to(src).parts)
+    )
+    digests = {}
+    for p in files:
+        h = hashlib.sha256()
+        with open(p, "rb") as f:
+            for block in iter(lambda f=f: f.read(1 << 24), b""):
+                h.update(block)
+        digests[p] = h.hexdigest()
+    commit = hashlib.sha1(
+        "".join(f"{p.relative_to(src)}:{d}\n" for p, d in digests.items()).encode()
+    ).hexdigest()
+    snapshot = repo / "snapshots" / commit
+    (repo / "blobs").mkdir(parents=True, exist_ok=True)
+    for p, digest in digests.items():
+        blob = repo / "blobs" / digest
+        if not blob.exists():
+            shutil.copyfile(p, blob)
+        link = snapshot / p.relative_to(src)
+        link.parent.mkdir(parents=True, exist_ok=True)
+        if not link.is_symlink():
+            link.symlink_to(os.path.relpath(blob, link.parent))
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text(commit)
+    return snapshot

@@ -32,10 +32,19 @@ from libs.workflow.spec import WorkflowSpec
 @dataclass(frozen=True)
 class Family:
     """One model family: ``name`` is its module stem and ModelFn prefix (``sd`` -> ``sd.unet``),
-    ``lora`` the adapter its builder writes (registered under that name)."""
+    ``lora`` the adapter its builder writes (registered under that name).
+
+    ``device_dtypes`` is the dtype the family runs at by default per device type, as users run its
+    diffusers pipeline (``torch_dtype=`` in the reference examples): bf16 for Flux, SD3/3.5 and Sana
+    on CUDA, fp16 for SD 1.5. A device type not listed (the CPU) loads as ``from_pretrained`` does
+    without ``torch_dtype``, so the tiny CPU catalog stays fp32 and bitwise equal to diffusers.
+    ``classes`` are the prefixes of the pipeline and model class names of the family's checkpoints
+    (``model_index.json``'s ``_class_name``, a component's ``config.json``), the longest match wins."""
 
     name: str
     lora: str
+    device_dtypes: tuple[tuple[str, str], ...] = ()
+    classes: tuple[str, ...] = ()
 
     @property
     def modules(self) -> dict[str, str]:
@@ -60,12 +69,42 @@ class Family:
 FAMILIES: dict[str, Family] = {
     f.name: f
     for f in (
-        Family("flux", lora="tiny-flux-style"),
-        Family("sd", lora="tiny-sd15-style"),
-        Family("sd3", lora="tiny-sd3-style"),
-        Family("sana", lora="tiny-sana-style"),
+        Family("flux", "tiny-flux-style", (("cuda", "bfloat16"),), ("Flux",)),
+        Family(
+            "sd",
+            "tiny-sd15-style",
+            (("cuda", "float16"),),
+            ("StableDiffusion", "ControlNetModel", "UNet2DConditionModel"),
+        ),  # fmt: skip
+        Family("sd3", "tiny-sd3-style", (("cuda", "bfloat16"),), ("StableDiffusion3", "SD3")),
+        Family("sana", "tiny-sana-style", (("cuda", "bfloat16"),), ("Sana",)),
     )
 }
+
+
+def family_of_fn(fn_name: str) -> Family | None:
+    """The built-in family of a ModelFn name (``sd3.transformer`` -> sd3), None for others."""
+    return FAMILIES.get(fn_name.partition(".")[0])
+
+
+def family_of_class(class_name: str) -> Family | None:
+    """The family of a pipeline or model class name (``StableDiffusion3Pipeline`` -> sd3), by the
+    longest prefix any family claims; None when no family claims it."""
+    best: tuple[int, Family | None] = (0, None)
+    for f in FAMILIES.values():
+        for prefix in f.classes:
+            if class_name.startswith(prefix) and len(prefix) > best[0]:
+                best = (len(prefix), f)
+    return best[1]
+
+
+def device_dtype(family: Family | None, device: str) -> str | None:
+    """The family's default dtype on ``device`` (``"cuda:1"`` -> its ``cuda`` entry); None: load as
+    ``from_pretrained`` does."""
+    if family is None:
+        return None
+    return dict(family.device_dtypes).get(device.partition(":")[0])
+
 
 # LoRA adapters the builders write, registered under these names (paths relative to the model root).
 LORAS: dict[str, str] = {f.lora: f.lora_path for f in FAMILIES.values()}
@@ -82,3 +121,19 @@ def build(out_root: str | Path) -> dict[str, Path]:
     for f in FAMILIES.values():
         built.update(f.module("builder").build(out_root))
     return built
+
+
+DTYPES = frozenset({"float32", "float16", "bfloat16"})
+
+
+def parse_dtypes(raw: str) -> dict[str, str]:
+    """``T2I_EXECUTOR_DTYPES``: ``"model=bfloat16,*=float16"`` -> ``{"model": "bfloat16", "*": ...}``."""
+    out: dict[str, str] = {}
+    for item in filter(None, (p.strip() for p in raw.split(","))):
+        model, sep, dtype = item.partition("=")
+        if not sep or not model.strip() or dtype.strip() not in DTYPES:
+            raise ValueError(
+                f"T2I_EXECUTOR_DTYPES: {item!r} is not 'model=dtype' with dtype in {sorted(DTYPES)}"
+            )
+        out[model.strip()] = dtype.strip()
+    return out

@@ -79,6 +79,7 @@ from libs.models.common import (
     config_dtype,
     lazy_list,
     load_component,
+    run_dtype,
     to_uint8_image,
     vae_scale_factor,
     with_loads,
@@ -213,7 +214,7 @@ class FluxT5Encoder(ModelFn):
                 "tokenizer_2": tokenizer_2,
                 "text_encoder_2": text_encoder_2,
                 # encode_prompt builds text_ids in the CLIP encoder's dtype, not T5's.
-                "text_ids_dtype": config_dtype(model_path, "text_encoder"),
+                "text_ids_dtype": config_dtype(model_path, "text_encoder", run_dtype(loader)),
             }
         )
 
@@ -277,7 +278,7 @@ class FluxPrepareLatents(ModelFn):
                 model_path, subfolder="scheduler"
             ),
             # prepare_latents draws the noise in prompt_embeds.dtype, i.e. T5's.
-            "latents_dtype": config_dtype(model_path, "text_encoder_2"),
+            "latents_dtype": config_dtype(model_path, "text_encoder_2", run_dtype(loader)),
         }
 
     def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:

@@ -62,6 +62,7 @@ from libs.models.common import (
     lazy_addend,
     lazy_list,
     load_component,
+    run_dtype,
     to_uint8_image,
     vae_scale_factor,
     with_loads,
@@ -224,7 +225,7 @@ class SdPrepareLatents(ModelFn):
             "vae_scale_factor": vae_scale_factor(AutoencoderKL.load_config(model_path, subfolder="vae")),
             "scheduler_config": _scheduler_config(model_path),
             # prepare_latents draws in prompt_embeds.dtype, i.e. the text encoder's
-            "latents_dtype": config_dtype(model_path, "text_encoder"),
+            "latents_dtype": config_dtype(model_path, "text_encoder", run_dtype(loader)),
         }
 
     def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:

@@ -69,6 +69,7 @@ from libs.models.common import (
     config_dtype,
     lazy_list,
     load_component,
+    run_dtype,
     to_uint8_image,
     vae_scale_factor,
     with_loads,
@@ -244,7 +245,8 @@ class SD3T5Encoder(ModelFn):
             return {
                 "text_encoder_3": None,
                 "joint_attention_dim": int(config["joint_attention_dim"]),
-                "dtype": config_dtype(model_path, "text_encoder"),  # dtype or self.text_encoder.dtype
+                # dtype or self.text_encoder.dtype
+                "dtype": config_dtype(model_path, "text_encoder", run_dtype(loader)),
                 "device": torch.device(device),  # where the zeros go (the pipeline's execution device)
             }
         text_encoder_3: Any = load_component(T5EncoderModel, model_path, "text_encoder_3", device, loader)
@@ -338,9 +340,9 @@ class SD3PrepareLatents(ModelFn):
         from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
 
         transformer_config = SD3Transformer2DModel.load_config(model_path, subfolder="transformer")
-        clip_dtype = config_dtype(model_path, "text_encoder")
+        clip_dtype = config_dtype(model_path, "text_encoder", run_dtype(loader))
         t5_dtype = (
-            config_dtype(model_path, "text_encoder_3")
+            config_dtype(model_path, "text_encoder_3", run_dtype(loader))
             if _has_component(model_path, "text_encoder_3")
             else clip_dtype
         )

@@ -93,6 +93,11 @@ class ModelFn:
     """
 
     fn_name: ClassVar[str] = ""
+    # The dtype this function's model runs at by default, per device type ({"cuda": "bfloat16"}):
+    # the executor loads the weights at it unless T2I_EXECUTOR_DTYPES names one; the loader given
+    # to ``load_model`` carries it as ``loader.dtype``. Empty (the default): as ``from_pretrained``
+    # loads without ``torch_dtype``. The built-in families take theirs from libs.models.families.
+    device_dtypes: ClassVar[dict[str, str]] = {}
 
     def __init__(self, model: str = "", *, id: str | None = None, **consts: Any) -> None:
         self.model = model

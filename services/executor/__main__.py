@@ -118,6 +118,7 @@ async def build_real(stack: AsyncExitStack, cfg: ExecutorConfig) -> WithCompanio
     from libs.dataplane.loader import Loader
     from libs.dataplane.store import TensorStore
     from libs.dataplane.transport import make_transport
+    from services.executor.memory import default_host_tier_mb
     from services.executor.runtime import ModelCache, NodeRunner, parse_dtypes
 
     torch.set_num_threads(cfg.threads)
@@ -133,6 +134,8 @@ async def build_real(stack: AsyncExitStack, cfg: ExecutorConfig) -> WithCompanio
     stack.callback(transport.close)  # last: after the service stopped using the arena
     store = TensorStore(executor_id, transport, alloc_timeout=cfg.alloc_timeout_s)
     tier = None
+    if cfg.host_tier_mb < 0:
+        cfg.host_tier_mb = default_host_tier_mb(cfg.host_tier_dir)
     if cfg.host_tier_mb > 0:
         # One host copy per box: every executor with the same tier name shares it (never destroyed
         # here: the others still use it; a crashed executor's holds lapse with its locks).

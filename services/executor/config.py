@@ -31,8 +31,10 @@ class ExecutorConfig(msgspec.Struct, forbid_unknown_fields=True):
     # Loading (docs/loading.md): checkpoints are converted on first use into the loading format and
     # read with O_DIRECT by ``load_threads`` threads in ``load_chunk_mb`` chunks into the box's host
     # tier, one copy per box shared by every executor with the same ``host_tier`` name (default:
-    # derived from the namespace), LRU under ``host_tier_mb`` (0: no host tier, private buffers).
-    host_tier_mb: int = 8192
+    # derived from the namespace), LRU under ``host_tier_mb`` (0: no host tier, private buffers;
+    # -1, the default: half of the box's memory or of the tier's filesystem, whichever is smaller;
+    # services.executor.memory.default_host_tier_mb).
+    host_tier_mb: int = -1
     host_tier: str = ""
     host_tier_dir: str = "/dev/shm"
     load_threads: int = 4

@@ -36,6 +36,7 @@ from libs.dataplane.errors import DataPlaneError, PeerBusyError, TransportError
 from libs.dataplane.store import Lease, TensorStore
 from libs.dataplane.weights import cache_key, model_of, per_model
 from libs.errors import is_retryable
+from libs.models.families import DTYPES, device_dtype, family_of_fn, parse_dtypes  # noqa: F401 - re-exported
 from libs.protocol.errors import BadTensorMetaError
 from libs.protocol.ids import ModelKey, NodeRef
 from libs.protocol.messages import (
@@ -200,7 +201,7 @@ class ModelCache:
         loader = self.loader
         try:
             if loader is not None and self._accepts_loader(key.fn, inst):
-                dtype = self.dtypes.get(key.model, self.dtypes.get("*"))
+                dtype = self.dtypes.get(key.model, self.dtypes.get("*")) or default_dtype(inst, self.device)
                 tagged = loader.tagged([key.encode()], dtype)
                 staging = _HostStaging(tagged, sync=ckey in self._sync_next)
                 comps = inst.load_model(path, self.device, loader=staging)
@@ -275,20 +276,13 @@ class ModelCache:
         self.weights.trim(ModelKey(fn, model), resident)
 
 
-DTYPES = frozenset({"float32", "float16", "bfloat16"})
-
-
-def parse_dtypes(raw: str) -> dict[str, str]:
-    """``T2I_EXECUTOR_DTYPES``: ``"model=bfloat16,*=float16"`` -> ``{"model": "bfloat16", "*": ...}``."""
-    out: dict[str, str] = {}
-    for item in filter(None, (p.strip() for p in raw.split(","))):
-        model, sep, dtype = item.partition("=")
-        if not sep or not model.strip() or dtype.strip() not in DTYPES:
-            raise ValueError(
-                f"T2I_EXECUTOR_DTYPES: {item!r} is not 'model=dtype' with dtype in {sorted(DTYPES)}"
-            )
-        out[model.strip()] = dtype.strip()
-    return out
+def default_dtype(inst: ModelFn, device: str) -> str | None:
+    """The dtype ``inst``'s model runs at on ``device`` when T2I_EXECUTOR_DTYPES names none: the
+    ModelFn's own ``device_dtypes``, else its built-in family's (bf16 or fp16 on CUDA), else None
+    (as ``from_pretrained`` loads: the CPU catalog stays fp32)."""
+    kind = device.partition(":")[0]
+    own = type(inst).device_dtypes.get(kind)
+    return own or device_dtype(family_of_fn(inst.fn_name), device)
 
 
 def decode_image(data: bytes | None, name: str) -> Any:

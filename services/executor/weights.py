@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from libs.dataplane.errors import DataPlaneError
+from libs.dataplane.loader.staging import pin_host, unpin_host
 from libs.dataplane.weights import ARENA, DEVICE, LAYER, CachePolicy, Eviction, prefix_length
 from services.executor.layers import PAGE, LayerLoadError, LayerSlot, VirtualModel, drop_source
 
@@ -93,6 +94,7 @@ class LoadJob:
     def _run(self) -> None:
         vm = self.vm
         opened: list[Any] = []
+        pinned: list[int] = []  # addresses registered with cudaHostRegister (0: not pinned)
         stream = self.cache.side_stream()
         try:
             sources: dict[int, Any] = {}
@@ -111,7 +113,13 @@ class LoadJob:
                 src = sources[c]
                 src.wait_layer(slot.name)
                 if slot.tensors:
-                    flats.setdefault(c, _flat(src))
+                    if c not in flats:
+                        flats[c] = _flat(src)
+                        if stream is not None:  # CUDA: DMA from pinned pages, truly asynchronous
+                            lo, hi = self._span(c)
+                            block = getattr(src, "host_block", None)
+                            read_only = block is not None and block.buf.readonly
+                            pinned.append(pin_host(flats[c].data_ptr() + lo, hi - lo, read_only))
                     self.cache.fill(vm, i, flats[c], stream)
                 slot.filled = True
                 slot.ready.set()
@@ -126,10 +134,20 @@ class LoadJob:
         except BaseException as e:  # noqa: BLE001 - reported by wait(); waiting hooks are released
             self.error = e
         finally:
+            if any(pinned):
+                stream.synchronize()  # the copies out of the pinned pages are done
+                for addr in pinned:
+                    unpin_host(addr)
             for i in self.layers:
                 vm.slots[i].ready.set()
             for src in opened:
                 drop_source(src)
+
+    def _span(self, component: int) -> tuple[int, int]:
+        """The bytes of ``component``'s flat host buffer this job copies: from its first layer's
+        start to its last layer's end."""
+        slots = [self.vm.slots[i] for i in self.layers if self.vm.slots[i].component == component]
+        return min(s.base for s in slots), max(s.end for s in slots)
 
 
 class WeightCache:

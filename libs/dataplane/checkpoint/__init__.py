@@ -21,7 +21,7 @@ importable without them.
 
 from __future__ import annotations
 
-from libs.dataplane.checkpoint.cli import component_dirs, main
+from libs.dataplane.checkpoint.cli import Outcome, component_dirs, convert_tree, main, model_folders
 from libs.dataplane.checkpoint.conversion import (
     FORWARD_ORDER_HINTS,
     Planned,
@@ -35,6 +35,7 @@ from libs.dataplane.checkpoint.conversion import (
 )
 from libs.dataplane.checkpoint.format import (
     ADDRESS_MODULUS,
+    CACHE_ENV,
     CKPT_DIRNAME,
     DEFAULT_CHUNK_BYTES,
     DEFAULT_PARTITION_BYTES,
@@ -52,12 +53,15 @@ from libs.dataplane.checkpoint.format import (
     SourceFile,
     TensorEntry,
     check_sizes,
+    checkpoint_cache,
     checkpoint_dir,
     checkpoint_id,
+    checkpoint_root,
     checksum,
     class_id,
     dtype_name,
     has_weights,
+    hub_snapshot,
     problem,
     read_index,
     resolve_class,
@@ -86,7 +90,14 @@ __all__ = [
     "Source",
     "SourceFile",
     "TensorEntry",
+    "CACHE_ENV",
+    "Outcome",
     "check_sizes",
+    "checkpoint_cache",
+    "checkpoint_root",
+    "convert_tree",
+    "hub_snapshot",
+    "model_folders",
     "checkpoint_dir",
     "checkpoint_id",
     "checksum",

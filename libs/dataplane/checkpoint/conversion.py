@@ -27,7 +27,6 @@ import msgspec
 
 from libs.dataplane.checkpoint.format import (
     ADDRESS_MODULUS,
-    CKPT_DIRNAME,
     DEFAULT_CHUNK_BYTES,
     DEFAULT_PARTITION_BYTES,
     FORMAT_VERSION,
@@ -42,6 +41,7 @@ from libs.dataplane.checkpoint.format import (
     TensorEntry,
     _library,
     checkpoint_dir,
+    checkpoint_root,
     checksum,
     class_id,
     dtype_name,
@@ -352,7 +352,7 @@ def _convert_locked(
     component_dir: Path, cls: type, dtype: Any, chunk_bytes: int, partition_bytes: int
 ) -> Path:
     variant = dtype_name(dtype)
-    root = component_dir / CKPT_DIRNAME
+    root = checkpoint_root(component_dir)
     final = root / variant
     for stale in root.glob(f".tmp-{variant}-*"):  # left by a conversion that died (we hold the lock)
         shutil.rmtree(stale, ignore_errors=True)
@@ -399,7 +399,7 @@ def convert(
     """Convert ``component_dir`` (again, unconditionally) and return the checkpoint's folder."""
     d = Path(component_dir)
     cls = cls or resolve_class(d)
-    with _locked(d / CKPT_DIRNAME, dtype_name(dtype)):
+    with _locked(checkpoint_root(d), dtype_name(dtype)):
         return _convert_locked(d, cls, dtype, chunk_bytes, partition_bytes)
 
 
@@ -422,7 +422,7 @@ def ensure_converted(
     source = source_of(d, cls, dtype)
     if problem(final, source, verify_crc=verify_crc) is None:
         return final
-    with _locked(d / CKPT_DIRNAME, dtype_name(dtype)):
+    with _locked(checkpoint_root(d), dtype_name(dtype)):
         why = problem(
             final, source_of(d, cls, dtype), verify_crc=verify_crc
         )  # another process may have fixed it

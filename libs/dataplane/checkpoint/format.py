@@ -3,7 +3,12 @@ and verifying it.
 
 Where it lives. Beside the component it was converted from, in
 ``<component_dir>/.t2i-ckpt/<variant>/`` (``variant`` = ``native`` for the dtypes ``from_pretrained``
-gives without ``torch_dtype``, else the dtype name, e.g. ``bfloat16``)::
+gives without ``torch_dtype``, else the dtype name, e.g. ``bfloat16``). A component that must not be
+written to, one of a Hugging Face cache snapshot (``.../models--org--name/snapshots/<rev>/...``: the
+cache is the hub client's, shared and content-addressed) or a folder this process cannot write,
+converts into the checkpoint cache instead (``T2I_CHECKPOINT_CACHE``; default
+``~/.cache/serverless-t2i/checkpoints``), under ``<models--org--name>/<rev>/<component>/`` or
+``local/<hash of the folder's path>/<name>/`` (:func:`checkpoint_root`)::
 
     index.json                  the Index below (msgspec, JSON)
     part-000.bin, part-001.bin  partitions: the tensors' bytes, each file padded to 4 KiB
@@ -207,9 +212,42 @@ def dtype_name(dtype: Any) -> str:
     return name
 
 
+CACHE_ENV = "T2I_CHECKPOINT_CACHE"
+
+
+def checkpoint_cache() -> Path:
+    """The folder of checkpoints converted from folders that are not written to (``T2I_CHECKPOINT_CACHE``)."""
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "serverless-t2i" / "checkpoints")
+
+
+def hub_snapshot(path: str | os.PathLike[str]) -> tuple[str, str, str] | None:
+    """``(models--org--name, revision, rest)`` for a path inside a Hugging Face cache snapshot
+    (``<cache>/models--org--name/snapshots/<revision>/<rest>``), else None."""
+    parts = Path(os.path.abspath(path)).parts
+    for i in range(len(parts) - 2):
+        if parts[i].startswith("models--") and parts[i + 1] == "snapshots":
+            return parts[i], parts[i + 2], "/".join(parts[i + 3 :])
+    return None
+
+
+def checkpoint_root(component_dir: str | os.PathLike[str]) -> Path:
+    """The folder holding ``component_dir``'s converted checkpoints (one per variant): its own
+    ``.t2i-ckpt``, or for a Hub snapshot or a folder this process cannot write, a folder of the
+    checkpoint cache named after it (module docstring, "Where it lives")."""
+    d = Path(os.path.abspath(component_dir))
+    hub = hub_snapshot(d)
+    if hub is None:
+        if os.access(d, os.W_OK):
+            return d / CKPT_DIRNAME
+        digest = hashlib.sha256(str(d).encode()).hexdigest()[:16]
+        return checkpoint_cache() / "local" / digest / d.name / CKPT_DIRNAME
+    repo, revision, rest = hub
+    return checkpoint_cache() / repo / revision / rest / CKPT_DIRNAME
+
+
 def checkpoint_dir(component_dir: str | os.PathLike[str], dtype: Any = None) -> Path:
     """Where the converted checkpoint of ``component_dir`` (at ``dtype``) lives."""
-    return Path(component_dir) / CKPT_DIRNAME / dtype_name(dtype)
+    return checkpoint_root(component_dir) / dtype_name(dtype)
 
 
 def source_files(component_dir: str | os.PathLike[str]) -> list[SourceFile]:

@@ -95,3 +95,16 @@ def _cuda_unregister(addr: int) -> None:
     import torch
 
     torch.cuda.cudart().cudaHostUnregister(addr)
+
+
+def pin_host(addr: int, nbytes: int, read_only: bool = False) -> int:
+    """Pin ``nbytes`` of host memory at ``addr`` in place for DMA to a CUDA device (``read_only``:
+    a read-only mapping, such as a host-tier block on a GPU box); returns ``addr`` for
+    :func:`unpin_host`, or 0 where it was not pinned (copies then still work, staged by the driver)."""
+    return addr if _cuda_register(addr, nbytes, read_only) else 0
+
+
+def unpin_host(addr: int) -> None:
+    """Undo :func:`pin_host` (a no-op for 0)."""
+    if addr:
+        _cuda_unregister(addr)
