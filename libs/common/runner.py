@@ -10,7 +10,8 @@ import asyncio
 import io
 import logging
 import signal
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Iterable
+from typing import Any
 
 log = logging.getLogger(__name__)
 STOP_GRACE_S = 5.0
@@ -40,6 +41,30 @@ async def run_service(*tasks: Awaitable[None]) -> None:
             log.error("task did not stop within %.0fs:\n%s", STOP_GRACE_S, buf.getvalue())
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
+
+
+async def cancel_and_wait(tasks: Iterable[asyncio.Future[Any]], every_s: float = 0.5) -> None:
+    """Cancel ``tasks`` and wait until each has ended, cancelling again every ``every_s`` any that is
+    still running: a task whose ``CancelledError`` a library swallowed (nats-py catches it in its
+    flush and in a pull subscription's fetch) goes on as if it had never been cancelled, and one
+    cancel would leave the waiter waiting for ever. A cancel of the caller meanwhile is kept and
+    raised once the tasks have ended. Their errors are retrieved, not raised."""
+    pending = {t for t in tasks if not t.done()}
+    cancelled = False
+    while pending:
+        for t in pending:
+            t.cancel()
+        try:
+            _, pending = await asyncio.wait(pending, timeout=every_s)
+        except asyncio.CancelledError:
+            cancelled = True
+        if pending:
+            log.debug("%d task(s) still running after a cancel; cancelling again", len(pending))
+    for t in tasks:
+        if t.done() and not t.cancelled():
+            t.exception()  # retrieved: no "exception was never retrieved" at garbage collection
+    if cancelled:
+        raise asyncio.CancelledError
 
 
 def raise_if_cancelled() -> None:

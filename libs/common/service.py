@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from typing import Protocol
 
-from libs.common.runner import close_quietly, run_service
+from libs.common.runner import cancel_and_wait, close_quietly, run_service
 
 __all__ = ["Service", "main", "own", "run_all", "run_forever", "serve"]
 
@@ -55,9 +55,7 @@ async def run_all(*loops: Awaitable[None]) -> None:
             t.result()  # re-raises the loop's error
         raise RuntimeError(f"a long-lived loop returned: {next(iter(done)).get_coro()!r}")
     finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_wait(tasks)  # again and again where a library swallowed the cancel
 
 
 def own(stack: AsyncExitStack, close: Callable[[], Awaitable[object]], what: str) -> None:

@@ -77,3 +77,33 @@ async def test_a_cancel_swallowed_while_a_reign_starts_still_ends_the_succession
     done, _ = await asyncio.wait([task], timeout=30.0)
     assert done, "the succession went on serving after it was cancelled"
     assert task.cancelled() and reign.stopped
+
+
+async def test_a_step_down_ends_the_reign_even_when_a_loop_swallows_the_cancel_that_stops_it():
+    """``run_all`` (every service's long-lived loops): when one loop ends, the others are cancelled
+    again until they have ended, so a loop whose library call swallowed the first cancel (nats-py's
+    pull fetch, its flush) cannot keep a stepped-down reign from ending. Found in a full suite: the
+    stale-epoch test's leader logged its step-down and never got to the next reign."""
+    from libs.common.service import run_all
+
+    swallowed = 0
+
+    async def fetching_for_ever() -> None:
+        nonlocal swallowed
+        while True:
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                swallowed += 1  # what the library does: the loop goes on as if never cancelled
+                if swallowed == 3:
+                    raise
+
+    async def lease_lost() -> None:
+        await asyncio.sleep(0)
+        raise LeaseLost("told the epoch is stale")
+
+    try:
+        await asyncio.wait_for(run_all(fetching_for_ever(), lease_lost()), 30.0)
+    except LeaseLost:
+        pass
+    assert swallowed == 3
