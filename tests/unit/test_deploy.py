@@ -89,7 +89,11 @@ def test_compose_serves_the_catalog_fairly_on_distinct_gpus(executors):
     mounts = {v["target"]: v for v in executor["volumes"]}
     assert mounts["/models"]["type"] == "volume" and mounts["/models"]["source"] == "models"
     assert "models" in cfg["volumes"] and mounts["/hf-cache"]["source"] == "hf-cache"
-    assert services["model-init"]["command"][-1].startswith("python -m libs.models.build --out /models --all")
+    init_models = services["model-init"]
+    assert init_models["command"][-1].startswith("python -m libs.models.build --out /models --all")
+    # Converted at the dtypes the executors load (their device's): they need not convert again.
+    assert init_models["command"][-1].endswith("&& python -m libs.models.convert /models")
+    assert init_models["environment"]["T2I_EXECUTOR_DEVICE"] == env["T2I_EXECUTOR_DEVICE"] == "cuda"
     # An operator's cache and diffusers folders are bind mounts when given as paths.
     mounted = compose_config(T2I_HF_CACHE="/srv/hf", T2I_LOCAL_MODELS="/srv/ckpt")["services"]["executor"]
     binds = {v["target"]: (v["type"], v["source"]) for v in mounted["volumes"]}
@@ -141,6 +145,7 @@ def test_the_local_override_builds_on_local_images_pulls_nothing_and_runs_execut
     assert services["model-init"]["image"] == executor["image"] == "serverless-t2i/executor:local"
     env = executor["environment"]
     assert env["T2I_EXECUTOR_DEVICE"] == "cpu" and env["T2I_EXECUTOR_GPU_LEASE"] == "false"
+    assert services["model-init"]["environment"]["T2I_EXECUTOR_DEVICE"] == "cpu"  # converts for them
     # No NVIDIA device reservation: a box without the NVIDIA runtime refuses to start one.
     assert not executor["deploy"]["resources"].get("reservations", {}).get("devices")
     assert executor["deploy"]["replicas"] == 3
