@@ -92,7 +92,7 @@ def test_compose_serves_the_catalog_fairly_on_distinct_gpus(executors):
     init_models = services["model-init"]
     assert init_models["command"][-1].startswith("python -m libs.models.build --out /models --all")
     # Converted at the dtypes the executors load (their device's): they need not convert again.
-    assert init_models["command"][-1].endswith("&& python -m libs.models.convert /models")
+    assert init_models["command"][-1].endswith("&& python -m libs.models.convert /models --keep-going")
     assert init_models["environment"]["T2I_EXECUTOR_DEVICE"] == env["T2I_EXECUTOR_DEVICE"] == "cuda"
     # An operator's cache and diffusers folders are bind mounts when given as paths.
     mounted = compose_config(T2I_HF_CACHE="/srv/hf", T2I_LOCAL_MODELS="/srv/ckpt")["services"]["executor"]
