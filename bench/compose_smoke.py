@@ -240,7 +240,11 @@ def scale(stack: Stack, n: int) -> None:
     containers = {stack.container_of(e["id"]) for e in listed}
     if len(containers) != n:
         raise SmokeFailure(f"{n} executors listed but in {len(containers)} containers")
-    say(f"executors: {', '.join(sorted(e['id'] for e in listed))}")
+    gpus = [e.get("gpu", "") for e in listed]
+    if not all(gpus) or len(set(gpus)) != n:
+        raise SmokeFailure(f"each executor must hold a GPU lease of its own; their GPUs: {gpus}")
+    shown = sorted(f"{e['id']} (GPU {e['gpu']})" for e in listed)
+    say(f"executors: {', '.join(shown)}")
 
 
 def _n_executors(stack: Stack, n: int) -> list[dict[str, Any]] | None:

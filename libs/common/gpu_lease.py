@@ -4,8 +4,11 @@
 ``count: 1`` reservation may hand every replica the same GPU), so compose gives every executor all
 of the box's GPUs and each one *claims* one at start: it takes the lowest visible index whose key
 ``{ns}:gpu:{scope}:{gpu}`` it can ``SET NX PX``, keeps the key alive from that moment on (a refresh
-every third of the TTL, by a task started with the claim: the executor's start-up, torch and CUDA
-included, may take longer than the TTL) and deletes it at exit. A crashed executor's key lapses after the TTL, so its GPU
+every third of the TTL, started with the claim: the executor's start-up, torch and CUDA included,
+may take longer than the TTL) and deletes it at exit. Executors refresh from a thread of their own
+with its own Redis connection (``keeper_redis``), as the scheduler renews its lease: importing torch
+and diffusers on a loaded box blocks the event loop for tens of seconds, and a refresh on the loop
+would let the key lapse, so that a second executor could claim the same GPU. A crashed executor's key lapses after the TTL, so its GPU
 is claimed again by the next one to start. Only the owner (a random token) can refresh or delete a
 key: both are compare-and-act Lua scripts.
 
@@ -26,8 +29,10 @@ import re
 import secrets
 import shutil
 import subprocess
+import threading
 import time
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from redis.asyncio import Redis
 
@@ -100,6 +105,7 @@ class GpuLease:
         ttl_s: float = 30.0,
         wait_s: float = 60.0,
         poll_s: float = 1.0,
+        keeper_redis: Any = None,
     ) -> None:
         if not SCOPE.match(scope):
             raise GpuLeaseError(f"GPU lease scope {scope!r} must match {SCOPE.pattern}")
@@ -121,7 +127,12 @@ class GpuLease:
         self.index: int | None = None  # position of ``gpu`` among the visible ones
         self._refresh = redis.register_script(RENEW_IF_HELD)
         self._release = redis.register_script(DELETE_IF_HELD)
-        self._keeper: asyncio.Task | None = None
+        self._keeper: asyncio.Future | None = None
+        # A blocking client (connect_redis_sync): refresh from a thread, off the event loop.
+        self.keeper_redis = keeper_redis
+        self._stop_keeping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.refreshes = 0
 
     @property
     def key(self) -> str:
@@ -151,7 +162,7 @@ class GpuLease:
             gpu = await self.try_claim()
             if gpu is not None:
                 log.info("claimed GPU %s (scope %s) with a %d ms lease", gpu, self.scope, self.ttl_ms)
-                self._keeper = asyncio.ensure_future(self._keep())
+                self._start_keeping()
                 return gpu
             if time.monotonic() >= deadline:
                 raise GpuLeaseError(
@@ -163,11 +174,15 @@ class GpuLease:
     def apply(self, device: str, env: dict[str, str] | None = None) -> str:
         """Point this process at the claimed GPU: ``CUDA_VISIBLE_DEVICES`` = its id, and the device
         string to use (``cuda``: the only one now visible). If CUDA was already initialised in this
-        process (too late for the variable), the device is ``cuda:<index>`` instead."""
+        process (too late for the variable), the device is ``cuda:<index>`` instead. A ``cpu``
+        device stays ``cpu``: a CPU executor standing in for a GPU one (compose on a box without
+        GPUs, ``T2I_EXECUTOR_GPUS=N``) holds its lease exactly as the GPU's executor would."""
         if self.gpu is None or self.index is None:
             raise GpuLeaseError("no GPU claimed")
+        if device == "cpu":
+            return "cpu"
         if not device.startswith("cuda"):
-            raise GpuLeaseError(f"a GPU lease needs a cuda device, not {device!r}")
+            raise GpuLeaseError(f"a GPU lease needs a cuda (or a stand-in cpu) device, not {device!r}")
         env = os.environ if env is None else env
         if _cuda_initialised():
             log.warning("CUDA was initialised before the GPU lease; using device cuda:%d", self.index)
@@ -191,8 +206,40 @@ class GpuLease:
         :class:`GpuLeaseError` when the lease was lost (the executor then stops: it may be sharing a
         GPU with another)."""
         if self._keeper is None:
-            self._keeper = asyncio.ensure_future(self._keep())
+            self._start_keeping()
+        assert self._keeper is not None
         await asyncio.shield(self._keeper)  # cancelling run() leaves the refreshing to release()
+
+    def _start_keeping(self) -> None:
+        if self.keeper_redis is None:
+            self._keeper = asyncio.ensure_future(self._keep())
+            return
+        loop = asyncio.get_running_loop()
+        self._keeper = loop.create_future()  # fails when the thread finds the lease lost
+        self._stop_keeping.clear()
+        self._thread = threading.Thread(
+            target=self._keep_in_thread, args=(loop, self._keeper), name=f"gpu-lease-{self.gpu}", daemon=True
+        )
+        self._thread.start()
+
+    def _keep_in_thread(self, loop: asyncio.AbstractEventLoop, lost: asyncio.Future) -> None:
+        """:meth:`_keep` on a thread with a blocking connection: a stalled event loop cannot starve it."""
+        r = self.keeper_redis
+        renew = r.register_script(RENEW_IF_HELD)
+        period = self.ttl_ms / 3000
+        while not self._stop_keeping.wait(period):
+            try:
+                ok = bool(renew(keys=[self.key], args=[self.token, self.ttl_ms])) or bool(
+                    r.set(self.key, self.token, nx=True, px=self.ttl_ms)
+                )  # lapsed (Redis away for a TTL) but free: take it again
+            except Exception as e:  # noqa: BLE001 - Redis briefly away: the TTL covers a few misses
+                log.warning("GPU lease refresh failed: %s", e)
+                continue
+            if not ok:
+                error = GpuLeaseError(f"lost the lease of GPU {self.gpu} (another executor holds it)")
+                loop.call_soon_threadsafe(_fail, lost, error)
+                return
+            self.refreshes += 1
 
     async def _keep(self) -> None:
         period = self.ttl_ms / 3000
@@ -205,11 +252,16 @@ class GpuLease:
                 continue
             if not ok:
                 raise GpuLeaseError(f"lost the lease of GPU {self.gpu} (another executor holds it)")
+            self.refreshes += 1
 
     async def release(self) -> bool:
         """Delete the lease if it is still ours; True when it was."""
         if self.gpu is None:
             return False
+        if self._thread is not None:
+            self._stop_keeping.set()
+            await asyncio.to_thread(self._thread.join)  # at most one refresh's socket timeout
+            self._thread = None
         if self._keeper is not None:
             self._keeper.cancel()
             await asyncio.gather(self._keeper, return_exceptions=True)
@@ -221,6 +273,11 @@ class GpuLease:
     async def stop(self) -> None:
         """Nothing: :meth:`release` is the owner's to call once the GPU is no longer in use (after
         the executor stopped), not when the refreshing stops."""
+
+
+def _fail(future: asyncio.Future, error: BaseException) -> None:
+    if not future.done():
+        future.set_exception(error)
 
 
 def _cuda_initialised() -> bool:

@@ -284,6 +284,9 @@ class ExecutorHeartbeat(_Msg, tag="heartbeat"):
     started_at: float = 0.0
     seq: int = 0
     host: str = ""
+    # The GPU this executor holds through the box's lease (libs/common/gpu_lease.py; "" none): an
+    # operator sees from it that every executor of a box has a GPU of its own.
+    gpu: Annotated[str, msgspec.Meta(max_length=64)] = ""
 
 
 class ExecutorGoodbye(_Msg, tag="goodbye"):

@@ -14,7 +14,7 @@ from libs.common.jetstream import ensure_images_bucket
 from libs.common.logs import setup_logging
 from libs.common.metrics import ExecutorMetrics, serve_metrics
 from libs.common.nats_conn import connect
-from libs.common.redis_conn import connect_redis
+from libs.common.redis_conn import connect_redis, connect_redis_sync
 from libs.common.service import main, own
 from libs.common.settings import common_settings
 from libs.protocol.subjects import Subjects
@@ -52,6 +52,10 @@ async def claim_gpu(stack: AsyncExitStack, cfg: ExecutorConfig, executor_id: str
     common = common_settings()
     redis = connect_redis(common.redis_url, max_connections=2)
     own(stack, redis.aclose, "redis")
+    # Refreshed from a thread with this connection: torch's import may block the loop for longer
+    # than the TTL (libs/common/gpu_lease.py).
+    keeper = connect_redis_sync(common.redis_url, min(1.0, cfg.gpu_lease_ttl_s / 3))
+    stack.callback(keeper.close)
     try:
         lease = GpuLease(
             redis,
@@ -61,6 +65,7 @@ async def claim_gpu(stack: AsyncExitStack, cfg: ExecutorConfig, executor_id: str
             owner=executor_id,
             ttl_s=cfg.gpu_lease_ttl_s,
             wait_s=cfg.gpu_lease_wait_s,
+            keeper_redis=keeper,
         )
         await lease.claim()
         own(stack, lease.release, "gpu lease")
@@ -178,6 +183,7 @@ async def build_real(stack: AsyncExitStack, cfg: ExecutorConfig) -> WithCompanio
         attempt_ttl_s=cfg.attempt_ttl_s,
         reconcile_grace_s=cfg.reconcile_grace_s,
         metrics=await _metrics(stack, common),
+        gpu=lease.gpu if lease is not None and lease.gpu is not None else "",
     )
     ready = (
         f"executor ready in {time.perf_counter() - t0:.1f}s: {cfg.device}, {cfg.threads} threads, "

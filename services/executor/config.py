@@ -52,7 +52,8 @@ class ExecutorConfig(msgspec.Struct, forbid_unknown_fields=True):
     # same setting, ours|mcache|wcache|nocache, read by both services), else "layer".
     cache_mode: str = ""
     # Component dtype per model name (as in specs): "tiny-flux=bfloat16,*=float16"; "*" for every
-    # other model; unset: as saved (the tiny CPU models stay fp32, bitwise equal to diffusers).
+    # other model; unset: the family's default on the device (bf16/fp16 on CUDA, libs.models.families;
+    # as saved on the CPU: the tiny CPU models stay fp32, bitwise equal to diffusers).
     dtypes: str = ""
     # One GPU per executor on a shared box (docs/deploy.md, libs/common/gpu_lease.py): claim the
     # lowest free GPU among the visible ones through a Redis lease (T2I_REDIS_* credentials) and

@@ -120,10 +120,12 @@ class ExecutorService:
         attempt_ttl_s: float = 0.0,
         reconcile_grace_s: float = 30.0,
         metrics: ExecutorMetrics | None = None,
+        gpu: str = "",
     ) -> None:
         # Shared by a process's executors (the ``executor`` label tells them apart); a registry of
         # its own otherwise, so executors built side by side in a test do not collide.
         self.metrics = metrics or ExecutorMetrics()
+        self.gpu = gpu  # leased through the box's GPU lease ("": none), reported in heartbeats
         # One line per node: a real node takes seconds; simulated ones at scale would flood the log.
         self._node_log_level = logging.DEBUG if kind == "sim" else logging.INFO
         self.id = executor_id
@@ -218,6 +220,7 @@ class ExecutorService:
             started_at=self.started_at,
             seq=self.seq,
             host=socket.gethostname(),
+            gpu=self.gpu,
         )
         await self.nc.publish(self.subjects.executor_events(self.id), encode(hb))
 

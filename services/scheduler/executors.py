@@ -49,6 +49,7 @@ class ExecutorState:
     last_seen: float
     resident: frozenset[ModelKey] = frozenset()
     host_resident: frozenset[ModelKey] = frozenset()  # models whose bytes are in its box's host tier
+    gpu: str = ""  # the GPU it leased ("": none), as its heartbeats say
     arena_capacity: int = 0  # 0: the executor reported no arena (placement ignores arena_free)
     arena_free: int = 0
     running: NodeRef | None = None  # node we dispatched to it and have not seen finish
@@ -85,6 +86,7 @@ class ExecutorState:
 
     def apply_report(self, hb: ExecutorHeartbeat, now: float) -> list[NodeRef]:
         """Take in a heartbeat; return the nodes it reports running."""
+        self.gpu = hb.gpu
         resident: list[ModelKey] = []
         host_resident: list[ModelKey] = []
         running: list[NodeRef] = []

@@ -92,6 +92,7 @@ def executors_view(
     return {
         ex.id: {
             "kind": ex.kind,
+            "gpu": ex.gpu,
             "fns": sorted(ex.fns),
             "resident": sorted(k.encode() for k in ex.resident),
             "host_resident": sorted(k.encode() for k in ex.host_resident),

@@ -103,6 +103,31 @@ async def test_a_held_lease_is_kept_alive_from_the_claim_on(redis, common):
     assert await redis.get(lease_key(common.namespace, "box", "0")) is None
 
 
+async def test_a_lease_refreshed_from_its_thread_outlives_an_event_loop_blocked_for_three_ttls(redis, common):
+    """An executor's start-up blocks its loop (importing torch and diffusers on a loaded box took
+    longer than the lease's TTL here): the keeper thread refreshes on its own connection meanwhile,
+    so the GPU is never free for a second executor to claim."""
+    from libs.common.redis_conn import connect_redis_sync
+    from tests.support.waiting import elapse_sync
+
+    keeper = connect_redis_sync(common.redis_url, 0.3)
+    held = lease(redis, common.namespace, "a", gpus=["0"], ttl_s=1.0, keeper_redis=keeper)
+    try:
+        await held.claim()
+        elapse_sync(3.0, because="the event loop is blocked (an import) for three TTLs")
+        assert held.refreshes >= 3, held.refreshes
+        other = lease(redis, common.namespace, "b", gpus=["0"], ttl_s=1.0)
+        assert await other.try_claim() is None, "the GPU lapsed while the loop was blocked"
+        assert await redis.get(held.key) == held.token.encode()
+        # A lease taken from under it: the thread tells run(), which raises (the executor stops).
+        await redis.set(held.key, "another-executor", px=5000)
+        with pytest.raises(GpuLeaseError, match="lost the lease"):
+            await asyncio.wait_for(held.run(), 10.0)
+    finally:
+        await held.release()
+        keeper.close()
+
+
 def test_apply_points_cuda_at_the_claimed_gpu_only():
     x = GpuLease.__new__(GpuLease)
     x.gpu, x.index = "GPU-1234", 2
@@ -110,8 +135,54 @@ def test_apply_points_cuda_at_the_claimed_gpu_only():
     if "torch" in sys.modules and sys.modules["torch"].cuda.is_initialized():
         pytest.skip("CUDA already initialised in this process")
     assert x.apply("cuda", env) == "cuda" and env == {"CUDA_VISIBLE_DEVICES": "GPU-1234"}
-    with pytest.raises(GpuLeaseError, match="cuda device"):
-        x.apply("cpu", env)
+    cpu_env: dict[str, str] = {}
+    assert x.apply("cpu", cpu_env) == "cpu" and cpu_env == {}  # a stand-in keeps its device
+    with pytest.raises(GpuLeaseError, match="cuda"):
+        x.apply("mps", env)
+
+
+async def test_cpu_executors_standing_in_for_gpus_each_hold_a_lease_and_report_it(
+    broker_urls, tmp_path, redis
+):
+    """What compose runs on a box without GPUs: real executor processes on the CPU with the lease
+    on (``T2I_EXECUTOR_GPUS=2``) claim one index each and say which in their heartbeats, so the
+    operator's view (GET /v1/admin/executors) shows every executor with a GPU of its own."""
+    import json
+    import uuid
+
+    from libs.launcher.stack import Stack
+    from libs.protocol.keys import Keys
+    from tests.conftest import cleanup_namespace, free_port
+    from tests.support.waiting import until
+
+    nats_url, redis_url = broker_urls
+    stack = Stack(
+        namespace="t" + uuid.uuid4().hex[:10], log_dir=tmp_path / "logs", model_root=tmp_path,
+        gateway_port=free_port(), executors=2, api_keys="sk-ops=ops:admin", nats_url=nats_url,
+        redis_url=redis_url, extra_env={"T2I_EXECUTOR_GPU_LEASE": "true", "T2I_EXECUTOR_GPUS": "2"},
+    )  # fmt: skip
+    try:
+        await asyncio.to_thread(stack.start)
+        ids = {f"{stack.namespace}-executor-{i}" for i in range(2)}
+
+        async def gpus() -> dict[str, str]:
+            view = await redis.hgetall(Keys(stack.namespace).executors_view)
+            return {k.decode(): json.loads(v).get("gpu", "") for k, v in view.items()}
+
+        async def both_listed_with_a_gpu() -> bool:
+            listed = await gpus()
+            return set(listed) == ids and all(listed.values())
+
+        assert await until(both_listed_with_a_gpu, 60.0), await gpus()
+        listed = await gpus()
+        assert sorted(listed.values()) == ["0", "1"], listed
+        status, body = await asyncio.to_thread(stack.http, "GET", "/v1/admin/executors", None, "sk-ops")
+        assert status == 200 and sorted(e["gpu"] for e in body["data"]) == ["0", "1"]
+        for gpu in ("0", "1"):  # each index leased in Redis, by one of them
+            assert await redis.get(lease_key(stack.namespace, "box", gpu)) is not None
+    finally:
+        await asyncio.to_thread(stack.stop)
+        await cleanup_namespace(nats_url, redis_url, stack.namespace)
 
 
 def test_visible_gpus_from_the_setting_the_environment_or_the_devices():

@@ -92,7 +92,12 @@ def test_compose_serves_the_catalog_fairly_on_distinct_gpus(executors):
     init_models = services["model-init"]
     assert init_models["command"][-1].startswith("python -m libs.models.build --out /models --all")
     # Converted at the dtypes the executors load (their device's): they need not convert again.
-    assert init_models["command"][-1].endswith("&& python -m libs.models.convert /models --keep-going")
+    assert init_models["command"][-1].endswith(
+        "&& python -m libs.models.convert /models /hf-cache/hub --keep-going"
+    )  # the volume and the Hub cache: every model the executors may load
+    # Hub snapshots convert into the models volume, where the executors find them too.
+    cache = {s["environment"]["T2I_CHECKPOINT_CACHE"] for s in (init_models, services["executor"])}
+    assert cache == {"/models/.checkpoint-cache"}
     assert init_models["environment"]["T2I_EXECUTOR_DEVICE"] == env["T2I_EXECUTOR_DEVICE"] == "cuda"
     # An operator's cache and diffusers folders are bind mounts when given as paths.
     mounted = compose_config(T2I_HF_CACHE="/srv/hf", T2I_LOCAL_MODELS="/srv/ckpt")["services"]["executor"]
@@ -144,7 +149,9 @@ def test_the_local_override_builds_on_local_images_pulls_nothing_and_runs_execut
     }
     assert services["model-init"]["image"] == executor["image"] == "serverless-t2i/executor:local"
     env = executor["environment"]
-    assert env["T2I_EXECUTOR_DEVICE"] == "cpu" and env["T2I_EXECUTOR_GPU_LEASE"] == "false"
+    # Stand-ins claim stand-in GPU indices through the lease, as GPU executors claim GPUs.
+    assert env["T2I_EXECUTOR_DEVICE"] == "cpu" and env["T2I_EXECUTOR_GPU_LEASE"] == "true"
+    assert int(env["T2I_EXECUTOR_GPUS"]) >= 3
     assert services["model-init"]["environment"]["T2I_EXECUTOR_DEVICE"] == "cpu"  # converts for them
     # No NVIDIA device reservation: a box without the NVIDIA runtime refuses to start one.
     assert not executor["deploy"]["resources"].get("reservations", {}).get("devices")
