@@ -8,7 +8,9 @@
 #   4. bench/scale.py --quick on the machine's cores (when nats-server and redis-server are found)
 #                                                       -> $OUT/scale.log, $OUT/scale.json
 # Python packages the machine lacks travel as wheels in ./.whl (installed with --no-index into
-# /tmp/site, nothing fetched); broker binaries may travel in ./.gpubin (put first on PATH).
+# /tmp/site against the executor image's pins, deploy/requirements-executor.txt, nothing fetched);
+# $OUT/stack.json says how the Python that ran differs from the image's stack. Broker binaries may
+# travel in ./.gpubin (put first on PATH).
 # and writes $OUT/summary.json: what ran, each exit code, what was missing. A failing step is
 # recorded, not fatal. Exit: 0 all that ran passed; 1 a step failed; 2 no Python with torch;
 # 3 torch sees no CUDA device (the GPU steps were skipped).
@@ -34,9 +36,12 @@ say() { echo "[gpu-check] $*"; }
 if [ -d "$REPO/.gpubin" ]; then
     export PATH="$REPO/.gpubin:$PATH" LD_LIBRARY_PATH="$REPO/.gpubin${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 fi
+# The executor image's pinned stack first (deploy/requirements-executor.txt): wheels carried in ./.whl
+# are installed against those pins (--no-index: nothing fetched), before anything runs.
 if compgen -G "$REPO/.whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        "$REPO"/.whl/*.whl && export PYTHONPATH="$REPO:/tmp/site:$PYTHONPATH" && say "installed carried wheels into /tmp/site"
+        -c "$REPO/deploy/requirements-executor.txt" "$REPO"/.whl/*.whl \
+        && export PYTHONPATH="$REPO:/tmp/site:$PYTHONPATH" && say "installed carried wheels into /tmp/site"
 fi
 left() { echo $((BUDGET_S - ($(date +%s) - START) - RESERVE_S)); }
 
@@ -104,6 +109,23 @@ if [ "$CUDA" = true ]; then say "CUDA device: $GPU_NAME"; else
     say "WARNING: torch sees no CUDA device: the GPU tests will skip and the CUDA benchmark is not run"
     NOTES+=("torch sees no CUDA device")
 fi
+# -- the image's stack: how this Python and its packages differ from the executor image's pins
+# ($OUT/stack.json; the GPU results below are the image's only where it says "matches").
+"$PY" - "$REPO/deploy/requirements-executor.txt" "$OUT/stack.json" <<'PYEOF' && say "image stack: $(cat "$OUT/stack.json" | head -c 400)"
+import importlib.metadata as md, json, sys
+pins = dict(l.strip().split("==") for l in open(sys.argv[1]) if "==" in l and not l.startswith("#"))
+diff = {}
+for name, want in pins.items():
+    try:
+        have = md.version(name).split("+")[0]
+    except md.PackageNotFoundError:
+        have = None
+    if have != want:
+        diff[name] = {"pinned": want, "here": have}
+py = ".".join(map(str, sys.version_info[:2]))
+json.dump({"python": py, "python_pinned": "3.11", "matches": not diff and py == "3.11", "differs": diff},
+          open(sys.argv[2], "w"), indent=1)
+PYEOF
 missing="$("$PY" -c 'import importlib.util as u
 print(" ".join(m for m in ("pytest", "diffusers", "safetensors", "numpy", "pytest_asyncio", "pytest_timeout") if u.find_spec(m) is None))' 2>&1)"
 [ -n "$missing" ] && { say "missing Python modules: $missing"; NOTES+=("missing modules: $missing"); }
