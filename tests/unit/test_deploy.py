@@ -198,3 +198,27 @@ def test_the_local_image_script_is_valid_bash_and_refuses_unknown_arguments():
     assert done.returncode == 2 and "usage" in done.stderr
     text = script.read_text()
     assert "debootstrap --variant=minbase" in text and "ENV PATH=/opt/venv/bin:" in text
+
+
+def test_the_executor_image_installs_its_pinned_stack_which_satisfies_the_project():
+    """Every version the executor image installs is pinned (a constraints file), the pins satisfy
+    the executor extra's ranges, and bench/gpu/run.sh checks a GPU machine against the same file."""
+    from packaging.requirements import Requirement
+
+    pins = {}
+    for line in (REPO / "deploy" / "requirements-executor.txt").read_text().splitlines():
+        if line and not line.startswith("#"):
+            name, version = line.split("==")
+            pins[name] = version
+    dockerfile = (REPO / "deploy" / "Dockerfile.executor").read_text()
+    assert dockerfile.count("-c deploy/requirements-executor.txt") == 2  # torch, then the project
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    for raw in project["dependencies"] + project["optional-dependencies"]["executor"]:
+        req = Requirement(raw)
+        name = req.name.lower().replace("_", "-")
+        assert name in pins, f"{name} is not pinned"
+        assert req.specifier.contains(pins[name]), f"{name}=={pins[name]} breaks {req.specifier}"
+    assert "deploy/requirements-executor.txt" in (REPO / "bench" / "gpu" / "run.sh").read_text()
+    assert "!deploy/requirements-executor.txt" in (REPO / ".dockerignore").read_text()
