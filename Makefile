@@ -58,9 +58,10 @@ compose-check: install
 
 # `docker compose up` of deploy/compose.yaml for real, then `down -v` (bench/compose_smoke.py; minutes):
 # on a machine without GPUs or a registry, with deploy/compose.local.yaml and the local images of
-# deploy/local/build-images.sh (root: debootstrap). Needs a Docker daemon. SMOKE_ARGS=--gpu on a GPU box.
+# deploy/local/build-images.sh (root: debootstrap). SMOKE_ARGS=--gpu on a GPU box. The Docker daemon:
+# one that answers, else a private one deploy/local/dockerd.sh starts (installing docker.io if needed).
 compose-smoke: install
-	$(BIN)/python bench/compose_smoke.py $(SMOKE_ARGS)
+	DOCKER_HOST="$$(deploy/local/dockerd.sh)" $(BIN)/python bench/compose_smoke.py $(SMOKE_ARGS)
 
 clean:
 	rm -rf $(VENV) models var out

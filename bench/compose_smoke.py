@@ -11,7 +11,11 @@ By default the stack is the CPU one (``deploy/compose.local.yaml``: local images
    depend on them); each one's exit code is checked, and the gateway must answer on its published
    port (127.0.0.1 only) and list the executor in ``GET /v1/admin/executors``.
 3. *first image*: ``tiny-flux`` with the official ``openai`` client, against ``/v1`` of that port.
-4. *scale*: ``--scale executor=N`` (default 3); all N listed, each in a container of its own.
+4. *scale*: ``--scale executor=N`` (default 3); all N listed, each in a container of its own and
+   each holding a GPU lease of its own.
+4b. *hub model*: a workflow ``T2I_WORKFLOWS`` registered on a Hub id (``smoke/tiny-flux``), its model
+   laid out in the Hugging Face cache volume as a download leaves it: the image equals the same
+   request's to the folder's workflow, and the snapshot was converted into the models volume.
 5. *kill-recovery*: the same request again, asynchronously; its node events are followed
    (``GET /v1/requests/{id}/events``) and, once one executor has run two of its denoising steps in a
    row, that executor's container is SIGKILLed (``docker kill -s KILL``) while it runs the next. The
@@ -54,6 +58,8 @@ REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
 INIT_JOBS = ("credentials", "streams", "model-init", "catalog-init")
 MODEL, PROMPT, SIZE, SEED = "tiny-flux", "a lighthouse on a cliff at dusk", "128x128", 7
+# A workflow on a Hub id, registered through T2I_WORKFLOWS as the README says (step *hub model*).
+HUB_ID, HUB_WORKFLOW = "smoke/tiny-flux", "hub-flux"
 
 T = TypeVar("T")
 
@@ -217,21 +223,47 @@ def _healthy(stack: Stack) -> bool:
 
 
 def first_image(stack: Stack, steps: int) -> bytes:
+    return openai_image(stack, MODEL, {"seed": SEED, "num_inference_steps": steps})
+
+
+def openai_image(stack: Stack, model: str, extra: dict[str, Any]) -> bytes:
     from openai import OpenAI
 
     client = OpenAI(base_url=stack.url + "/v1", api_key=stack.key, timeout=600, max_retries=0)
     result = client.images.generate(
-        model=MODEL,
+        model=model,
         prompt=PROMPT,
         size=SIZE,  # type: ignore[arg-type]  # the workflow's sizes, not DALL-E's
         n=1,
         response_format="b64_json",
-        extra_body={"seed": SEED, "num_inference_steps": steps},
+        extra_body=extra,
     )
     b64 = result.data[0].b64_json if result.data else None
     if not b64:
-        raise SmokeFailure(f"the openai client got no image: {result}")
+        raise SmokeFailure(f"the openai client got no image from {model}: {result}")
     return pixels(b64)
+
+
+def hub_model(stack: Stack) -> None:
+    """A Hub id as the README's ``T2I_WORKFLOWS`` names one (``HUB_WORKFLOW``, registered at *up*):
+    the tiny Flux laid out in the Hugging Face cache volume as a download leaves it (blobs,
+    snapshots, refs), then served, resolved offline and converted into the models volume, with the
+    pixels of the same request to the folder's workflow."""
+    code = (
+        "from libs.models.build_utils import save_in_hub_cache; "
+        f"print(save_in_hub_cache('/models/{MODEL}', '{HUB_ID}', '/hf-cache/hub'))"
+    )
+    stack.compose("run", "--rm", "--no-deps", "model-init", "python", "-c", code, timeout_s=300)
+    extra = {"seed": SEED, "num_inference_steps": 2, "guidance_scale": 3.5, "max_sequence_length": 32}
+    if openai_image(stack, HUB_WORKFLOW, extra) != openai_image(stack, MODEL, extra):
+        raise SmokeFailure(f"{HUB_WORKFLOW} ({HUB_ID}, from the Hub cache) differs from {MODEL} (the folder)")
+    converted = stack.compose(
+        "run", "--rm", "--no-deps", "model-init", "sh", "-c",
+        "ls -d /models/.checkpoint-cache/models--*/*/*/.t2i-ckpt/*", timeout_s=120, check=False,
+    )  # fmt: skip
+    if "transformer/.t2i-ckpt" not in converted:
+        raise SmokeFailure(f"{HUB_ID} was not converted into the models volume: {converted!r}")
+    say(f"{HUB_WORKFLOW}: {HUB_ID} served from the Hub cache, converted into /models/.checkpoint-cache")
 
 
 def scale(stack: Stack, n: int) -> None:
@@ -378,6 +410,7 @@ def main() -> int:
         "T2I_API_KEYS": f"{admin_key}=smoke:admin",
         "T2I_GATEWAY_PORT": str(port),
         "T2I_NAMESPACE": namespace,
+        "T2I_WORKFLOWS": f"{HUB_WORKFLOW}=flux:{HUB_ID}?size={SIZE}&steps=2",
     }
     files = [DEPLOY / "compose.yaml", *([] if args.gpu else [DEPLOY / "compose.local.yaml"]), *args.file]
     stack = Stack(project, files, env, port, admin_key)
@@ -401,6 +434,7 @@ def main() -> int:
         step("up", lambda: up(stack))
         want = step("first image", lambda: first_image(stack, args.steps))
         step("scale", lambda: scale(stack, args.executors))
+        step("hub model", lambda: hub_model(stack))
         inside = _segments_inside(stack, namespace)
         if not inside:
             raise SmokeFailure("no shared-memory segment of the namespace in the executors' /dev/shm")
@@ -432,7 +466,7 @@ def main() -> int:
     if failure:
         print(f"compose-smoke: FAIL {failure}", flush=True)
         return 1
-    shown = ("build", "up", "first image", "scale", "kill-recovery", "down", "total")
+    shown = ("build", "up", "first image", "scale", "hub model", "kill-recovery", "down", "total")
     print("compose-smoke: OK " + ", ".join(f"{k} {figures[k]:.1f} s" for k in shown), flush=True)
     return 0
 

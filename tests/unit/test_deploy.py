@@ -222,3 +222,17 @@ def test_the_executor_image_installs_its_pinned_stack_which_satisfies_the_projec
         assert req.specifier.contains(pins[name]), f"{name}=={pins[name]} breaks {req.specifier}"
     assert "deploy/requirements-executor.txt" in (REPO / "bench" / "gpu" / "run.sh").read_text()
     assert "!deploy/requirements-executor.txt" in (REPO / ".dockerignore").read_text()
+
+
+def test_compose_smoke_finds_or_starts_its_own_docker_daemon():
+    """``make compose-smoke`` needs nothing done by hand: deploy/local/dockerd.sh prints a daemon that
+    answers, or starts a private one (no iptables rules, no default bridge: nothing else changes)."""
+    script = REPO / "deploy" / "local" / "dockerd.sh"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True, timeout=30).returncode == 0
+    text = script.read_text()
+    assert "--iptables=false --bridge=none" in text and "--data-root" in text
+    make = (REPO / "Makefile").read_text()
+    assert (
+        'DOCKER_HOST="$$(deploy/local/dockerd.sh)"'
+        in make.split("compose-smoke: install")[1].split("\n\n")[0]
+    )
