@@ -84,8 +84,12 @@ def test_the_init_job_converts_every_model_of_a_volume_and_names_the_folder_that
     assert model_init.main([str(volume), "--keep-going", "--force"]) == 0
     assert all(index_mtimes(volume)[k] != v for k, v in before.items())
     capsys.readouterr()
-    assert model_init.main([str(tmp_path / "empty-volume")]) == 1
-    assert "no pipeline folder" in capsys.readouterr().out
+    assert model_init.main([str(tmp_path / "empty-volume")]) == 1  # nothing anywhere: an error
+    assert "nothing to convert" in capsys.readouterr().out
+    (tmp_path / "empty-hub").mkdir()  # a fresh box's Hub cache beside a volume: said, not a failure
+    assert model_init.main([str(volume), str(tmp_path / "empty-hub"), "--keep-going"]) == 0
+    out = capsys.readouterr().out
+    assert f"{tmp_path / 'empty-hub'}: nothing to convert" in out and "2 folders, 1 failed" in out
 
 
 def test_the_init_job_converts_each_model_at_the_dtype_its_executors_load_it_at(

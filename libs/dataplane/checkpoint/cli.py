@@ -8,7 +8,8 @@ every component with weights) or any folder above them (a models volume, a Huggi
 ``convert`` finds every pipeline and component folder below it (:func:`model_folders`) and converts
 them one at a time, each only where its checkpoint is missing, stale or corrupt (``--force``: again).
 A folder that fails is named and the others still convert; the exit status is 1 if any failed
-(0 with ``--keep-going``, for an init job whose other models should still be served).
+(0 with ``--keep-going``, for an init job whose other models should still be served). A ``PATH``
+with no model folder in it (a fresh box's empty Hub cache) is said and skipped; 1 if no ``PATH`` had any.
 """
 
 from __future__ import annotations
@@ -166,7 +167,12 @@ def main(argv: list[str] | None = None, dtype_for: Callable[[Path], Any] | None 
             lib, _, name = args.cls.rpartition(".")
             cls = getattr(importlib.import_module(lib or "diffusers"), name)
         outcomes: list[Outcome] = []
+        empty: list[str] = []
         for path in args.paths:
+            if not model_folders(path):  # a fresh box's empty Hub cache, say: nothing to do there
+                empty.append(path)
+                print(f"{path}: nothing to convert (no pipeline or component folder in it)")
+                continue
             try:
                 outcomes += convert_tree(
                     path, dtype=args.dtype, dtype_for=None if args.dtype else dtype_for, cls=cls,
@@ -182,6 +188,8 @@ def main(argv: list[str] | None = None, dtype_for: Callable[[Path], Any] | None 
             f"converted {len(outcomes) - len(failed)} folders, {len(failed)} failed"
             + "".join(f"\n  failed: {o.folder}" for o in failed)
         )
+        if len(empty) == len(args.paths):
+            return 1  # nothing anywhere: the paths are probably not what the caller meant
         return 1 if failed and not args.keep_going else 0
     p = Path(args.path)
     ckpts = [p] if (p / INDEX_NAME).is_file() else [
