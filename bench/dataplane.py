@@ -10,7 +10,9 @@ pull of the run (what each costs when nothing else on the box got in its way; on
 median ratio of a large size can swing past 1 when other jobs slow a run's memcpys). Also
 printed: ``torch`` ``copy_`` between two tensors (the baseline before 2026-11-30: it runs on all
 intra-op threads and, on this shared 2-core box, swung from 0.5 to 6 GB/s).
-Writes ``bench/results/dataplane.json``.
+Also printed: ``copies per pull: same executor N, same box N, across boxes N``, the copies of the
+bytes a consumer's side makes to get its tensor (``Lease.copies``): a view of our own arena, a
+shared-memory pull, a TCP pull. Writes ``bench/results/dataplane.json``.
 
     .venv/bin/python bench/dataplane.py [--transports shm,tcp] [--sizes-mib 1,4,16,64,256] [--reps 31]
 """
@@ -109,7 +111,10 @@ def bench_transport(kind: str, sizes: list[int], reps: int) -> dict[int, dict[st
                         reads.append(lease.transfer_s)
                 dst.release()
                 src.release()
+                with store.open(meta) as lease:
+                    pull_copies = lease.copies
                 results[nbytes] = {
+                    "copies_per_pull": pull_copies,
                     "open_gbps": nbytes / statistics.median(opens) / 1e9,
                     "read_gbps": nbytes / statistics.median(reads) / 1e9,
                     "memcpy_gbps": nbytes / statistics.median(copies) / 1e9,
@@ -124,6 +129,18 @@ def bench_transport(kind: str, sizes: list[int], reps: int) -> dict[int, dict[st
         if proc.is_alive():
             proc.kill()
     return results
+
+
+def same_executor_copies(nbytes: int) -> int:
+    """Copies a consumer on the producer's own executor gets its tensor with (a view: none)."""
+    namespace = f"bench{uuid.uuid4().hex[:8]}"
+    with ShmTransport(namespace, "bench-self", 1 << (nbytes - 1).bit_length()) as transport:
+        store = TensorStore("bench-self", transport)
+        meta = store.put("bench/self", torch.zeros(nbytes, dtype=torch.uint8), consumers=1, group="bench")
+        with store.open(meta) as lease:
+            copies = lease.copies
+        store.release("bench/self")
+    return copies
 
 
 def main() -> None:
@@ -156,9 +173,18 @@ def main() -> None:
                 f"{r['memcpy_gbps']:>12.2f} {r['open_over_memcpy']:>12.2f} {r['open_over_memcpy_best']:>6.2f} "
                 f"{torch_gbps[nbytes]:>12.2f}"
             )
+    # Same box: shared memory; across boxes: TCP (the copies of the bytes this side makes per pull).
+    per_pull = {
+        "same executor": same_executor_copies(sizes[0]),
+        "same box": next(iter(out["shm"].values()))["copies_per_pull"] if "shm" in out else None,
+        "across boxes": next(iter(out["tcp"].values()))["copies_per_pull"] if "tcp" in out else None,
+    }
+    print("copies per pull: " + ", ".join(f"{k} {v if v is not None else '-'}" for k, v in per_pull.items()))
     results = Path(__file__).resolve().parent / "results"
     results.mkdir(parents=True, exist_ok=True)
-    (results / "dataplane.json").write_text(json.dumps({"reps": args.reps, "transports": out}, indent=1))
+    (results / "dataplane.json").write_text(
+        json.dumps({"reps": args.reps, "copies_per_pull": per_pull, "transports": out}, indent=1)
+    )
 
 
 if __name__ == "__main__":

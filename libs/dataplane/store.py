@@ -121,7 +121,9 @@ class Lease:
     """Access to one tensor for one consumer: ``.tensor`` plus transfer accounting.
 
     ``local`` is True for a zero-copy view of our own arena (nothing to free), False for a copy
-    pulled from a peer into our arena (``close()`` frees it). ``transferred_bytes`` and
+    pulled from a peer into our arena (``close()`` frees it). ``copies``: how many times the bytes
+    were copied to give this consumer its tensor (0 for a local view; the transport's
+    ``copies_per_pull`` for a pull). ``transferred_bytes`` and
     ``transfer_s`` (wall time of the pull) feed per-tenant accounting (paper §6: transfer time
     is charged as vTime).
     """
@@ -135,9 +137,11 @@ class Lease:
         transferred_bytes: int = 0,
         transfer_s: float = 0.0,
         finalizer: Callable[[], object] | None = None,
+        copies: int = 0,
     ) -> None:
         self.meta = meta
         self.local = local
+        self.copies = copies
         self.transferred_bytes = transferred_bytes
         self.transfer_s = transfer_s
         self._tensor: torch.Tensor | None = tensor
@@ -344,7 +348,9 @@ class TensorStore:
         except BaseException:
             arena.free(offset)
             raise
-        lease = Lease(meta, tensor, local=False, transferred_bytes=meta.nbytes)
+        lease = Lease(
+            meta, tensor, local=False, transferred_bytes=meta.nbytes, copies=self.transport.copies_per_pull
+        )
         # Safety net for leases dropped without close(): free the block once nothing can see it.
         # On host arenas that is when the memoryview every derived tensor's storage holds dies;
         # elsewhere (device arenas, empty tensors) when the lease itself is collected.

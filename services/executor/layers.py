@@ -77,6 +77,21 @@ def _placeholder(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
     return torch.full((), fill, dtype=dtype, device=device).expand(shape)
 
 
+class WrongDeviceError(LayerLoadError):
+    """A layer's bytes are on another device than its model (a bug of placement, never bound)."""
+
+
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """``cuda`` and ``cuda:0`` are one device when the current device is 0 (the lease's ``cuda``
+    is the only visible GPU); otherwise type and index must match."""
+    if a.type != b.type:
+        return False
+    if a.type != "cuda" or a.index == b.index:
+        return True
+    current = torch.cuda.current_device() if torch.cuda.is_available() else 0
+    return (a.index if a.index is not None else current) == (b.index if b.index is not None else current)
+
+
 class VirtualModel:
     """The Layer Lookup Table of one model key: the layers of all its components, in order."""
 
@@ -207,7 +222,14 @@ class VirtualModel:
 
     # -- memory ----------------------------------------------------------------------------------
     def bind(self, i: int, storage: torch.Tensor) -> None:
-        """Point layer ``i``'s parameters and buffers at their bytes in ``storage`` (ties too)."""
+        """Point layer ``i``'s parameters and buffers at their bytes in ``storage`` (ties too).
+        Refuses (:class:`WrongDeviceError`) storage on another device than the model's: a CUDA
+        module bound to host memory would fail in its forward, or silently run elsewhere."""
+        if not same_device(storage.device, self.device):
+            raise WrongDeviceError(
+                f"layer {self.slots[i].name} of {self.key}: its bytes are on {storage.device}, "
+                f"the model runs on {self.device}; refusing to bind them"
+            )
         for t in self.slots[i].tensors:
             view = storage[t.at : t.at + t.nbytes].view(t.dtype).view(t.shape)
             table = t.owner._parameters if t.parameter else t.owner._buffers

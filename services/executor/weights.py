@@ -40,7 +40,7 @@ import torch
 from libs.dataplane.errors import DataPlaneError
 from libs.dataplane.loader.staging import pin_host, unpin_host
 from libs.dataplane.weights import ARENA, DEVICE, LAYER, CachePolicy, Eviction, prefix_length
-from services.executor.layers import PAGE, LayerLoadError, LayerSlot, VirtualModel, drop_source
+from services.executor.layers import PAGE, LayerLoadError, LayerSlot, VirtualModel, drop_source, same_device
 
 log = logging.getLogger(__name__)
 
@@ -170,6 +170,11 @@ class WeightCache:
         self.device = torch.device(device)
         self.unlimited = budget <= 0
         self.configured = budget  # the operator's bound (the GPU's free memory may lower it)
+        if arena is not None and not same_device(torch.device(arena.device), self.device):
+            # Idle communication memory is a weight cache only on the weights' own device: a CUDA
+            # executor's host arena would hand its layers CPU memory (bound, they break the model).
+            log.info("the %s arena holds no cached weights for %s modules", arena.device, self.device)
+            arena = None
         self.policy = CachePolicy(
             budget if budget > 0 else 1 << 62, arena_budget if arena is not None else 0, granularity
         )
@@ -352,10 +357,14 @@ class WeightCache:
         return self._stream
 
     def _refresh_budget(self) -> None:
-        """On CUDA the device region is also bounded by what the GPU has free right now."""
+        """On CUDA the device region is also bounded by what the GPU has free right now: free in
+        the driver's view plus what PyTorch's caching allocator holds unused (an evicted layer's
+        block stays there, reserved but free: counting only the driver's view, every eviction
+        shrank the budget by the bytes it freed)."""
         if self.device.type != "cuda":
             return
         free, _total = torch.cuda.mem_get_info(self.device)
+        free += max(0, torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device))
         headroom = 1 << 30  # activations of the next forward
         room = self.policy.used[DEVICE] + max(0, free - headroom)
         self.policy.budgets[DEVICE] = room if self.unlimited else min(self.configured, room)

@@ -78,7 +78,7 @@ def test_opening_our_own_tensor_gives_a_zero_copy_view_of_the_arena(store: Tenso
     meta = store.put("r1/a", torch.arange(16, dtype=torch.float32), consumers=2, group="r1")
     first = store.open(meta)
     second = store.open(meta)
-    assert first.local and first.transferred_bytes == 0
+    assert first.local and first.transferred_bytes == 0 and first.copies == 0
     first.tensor[0] = 42.0  # tensors are immutable by contract; this only proves aliasing
     assert second.tensor[0].item() == 42.0
     assert store.stats()["copies"] == 0
@@ -372,3 +372,17 @@ def test_the_nvshmem_transport_says_why_it_cannot_start_without_nvshmem_or_cuda(
     with pytest.raises(DataPlaneError, match="unavailable") as caught:
         NvshmemTransport(rank=0, nranks=1, capacity=1 << 20, exchange_uid=lambda uid: uid or b"")
     assert not caught.value.retryable
+
+
+def test_a_pull_from_a_peer_copies_the_bytes_once_into_our_arena(
+    pair: tuple[TensorStore, TensorStore],
+) -> None:
+    """Copies per pull (bench/dataplane.py reports them): 0 for a consumer on the producer's own
+    executor, one for a peer of the box (shared memory) or of another box (TCP)."""
+    producer, consumer = pair
+    data = torch.arange(1024, dtype=torch.float32)
+    meta = producer.put("r1/x", data, consumers=2, group="r1")
+    with producer.open(meta) as own, consumer.open(meta) as pulled:
+        assert own.copies == 0 and own.tensor.data_ptr() != 0
+        assert pulled.copies == 1 and not pulled.local and torch.equal(pulled.tensor, data)
+        assert consumer.stats()["copies"] == 1  # the one copy is a block of the consumer's arena

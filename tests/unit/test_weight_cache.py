@@ -231,3 +231,33 @@ def test_on_cuda_layers_reload_on_a_side_stream_and_the_image_keeps_its_bits(
         image = runner.run(tiny_flux(), params)["image"]
         assert torch.equal(image, reference), resident
         assert any(s.event is not None for s in vm.slots)  # copies ran on the side stream, with events
+
+
+def test_a_layer_is_never_bound_to_memory_on_another_device_than_its_model(
+    root: Path, loader: Loader
+) -> None:
+    """The weight cache of a CUDA model once fell back to the host arena under pressure and bound
+    its layers to CPU memory. Binding now refuses bytes on another device (the model is unchanged),
+    and an arena on another device than the weights' holds no cached weights at all."""
+    from libs.dataplane.arena import HeapArena
+    from services.executor.layers import WrongDeviceError
+    from services.executor.weights import WeightCache
+
+    cache = ModelCache(root, "cpu", loader)
+    comps, _ = cache.components(TRANSFORMER.fn, TRANSFORMER.model)
+    vm = cache.weights.models[TRANSFORMER]
+    i = next(i for i, s in enumerate(vm.slots) if s.tensors)
+    before = weights_of(comps["transformer"])
+    with pytest.raises(WrongDeviceError, match="refusing to bind"):
+        vm.bind(i, torch.empty(vm.slots[i].nbytes, dtype=torch.uint8, device="meta"))
+    after = weights_of(comps["transformer"])
+    assert all(torch.equal(before[n], after[n]) for n in before)
+
+    arena = HeapArena(1 << 20)
+    try:
+        elsewhere = WeightCache("meta", 1 << 20, loader=loader, arena=arena, arena_budget=1 << 19)
+        assert elsewhere.arena is None and elsewhere.policy.budgets[ARENA] == 0
+        same = WeightCache("cpu", 1 << 20, loader=loader, arena=arena, arena_budget=1 << 19)
+        assert same.arena is arena and same.policy.budgets[ARENA] == 1 << 19
+    finally:
+        arena.close()

@@ -112,6 +112,10 @@ class Transport(abc.ABC):
     arena: Arena
     address: str
     tags: TagTable
+    #: Copies of the bytes one pull makes on the consumer's side: shared memory memmoves the
+    #: producer's block into ours once; TCP receives into our block once (the kernel's socket
+    #: copies aside). Counted on each Lease (``copies``), reported by bench/dataplane.py.
+    copies_per_pull: int = 1
 
     @abc.abstractmethod
     def read(self, meta: TensorMeta, dst: memoryview) -> None:
