@@ -8,6 +8,7 @@ import socket
 import time
 from contextlib import AsyncExitStack
 from pathlib import Path
+from typing import Any
 
 from libs.common.config import load_config
 from libs.common.jetstream import ensure_images_bucket
@@ -75,6 +76,36 @@ async def claim_gpu(stack: AsyncExitStack, cfg: ExecutorConfig, executor_id: str
     return lease
 
 
+def nvshmem_transport(stack: AsyncExitStack, cfg: ExecutorConfig, common: Any, lease: Any) -> Any:
+    """This executor's PE of the box's NVSHMEM world (``T2I_EXECUTOR_TRANSPORT=nvshmem``): its rank is
+    the index of the GPU it leased, the world's size ``T2I_EXECUTOR_NVSHMEM_WORLD`` (fixed for the
+    world's life), the unique id exchanged through Redis under the world's generation
+    (``T2I_EXECUTOR_NVSHMEM_GENERATION``; libs/dataplane/transport/bootstrap.py). ``init`` blocks
+    until every PE has joined, so a box starts its executors together."""
+    from libs.dataplane.transport.bootstrap import redis_uid_exchange, world_key
+    from libs.dataplane.transport.nvshmem import NvshmemTransport
+
+    if lease is None or lease.index is None:
+        raise SystemExit(
+            "T2I_EXECUTOR_TRANSPORT=nvshmem: the rank is the leased GPU's index; set T2I_EXECUTOR_GPU_LEASE=true"
+        )
+    if not 0 < cfg.nvshmem_world or lease.index >= cfg.nvshmem_world:
+        raise SystemExit(
+            f"T2I_EXECUTOR_NVSHMEM_WORLD={cfg.nvshmem_world}: must be the number of the box's executors "
+            f"(this one leased GPU index {lease.index})"
+        )
+    client = connect_redis_sync(common.redis_url, 5.0)
+    stack.callback(client.close)
+    key = world_key(common.namespace, cfg.gpu_lease_scope, cfg.nvshmem_generation)
+    return NvshmemTransport(
+        rank=lease.index,
+        nranks=cfg.nvshmem_world,
+        capacity=_pow2_at_least(cfg.arena_mb << 20),
+        exchange_uid=redis_uid_exchange(client, key),
+        device_index=0 if cfg.device == "cuda" else None,  # the lease made the GPU the only one visible
+    )
+
+
 def advertiser(nc, cfg: ExecutorConfig, namespace: str, executor_id: str) -> Advertiser:
     return Advertiser(nc, namespace, executor_id, catalog.signatures(), ttl_s=cfg.advertise_ttl_s)
 
@@ -127,15 +158,18 @@ async def build_real(stack: AsyncExitStack, cfg: ExecutorConfig) -> WithCompanio
     from services.executor.runtime import ModelCache, NodeRunner, parse_dtypes
 
     torch.set_num_threads(cfg.threads)
-    transport = make_transport(
-        cfg.transport,
-        namespace=common.namespace,
-        executor_id=executor_id,
-        capacity=_pow2_at_least(cfg.arena_mb << 20),
-        host=cfg.host,
-        timeout=cfg.dataplane_timeout_s,
-        max_connections=cfg.dataplane_max_connections,
-    )
+    if cfg.transport == "nvshmem":
+        transport = nvshmem_transport(stack, cfg, common, lease)
+    else:
+        transport = make_transport(
+            cfg.transport,
+            namespace=common.namespace,
+            executor_id=executor_id,
+            capacity=_pow2_at_least(cfg.arena_mb << 20),
+            host=cfg.host,
+            timeout=cfg.dataplane_timeout_s,
+            max_connections=cfg.dataplane_max_connections,
+        )
     stack.callback(transport.close)  # last: after the service stopped using the arena
     store = TensorStore(executor_id, transport, alloc_timeout=cfg.alloc_timeout_s)
     tier = None

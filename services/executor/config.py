@@ -11,7 +11,11 @@ class ExecutorConfig(msgspec.Struct, forbid_unknown_fields=True):
     threads: int = 1  # torch intra-op threads; pinned because the thread count changes the bits
     arena_mb: int = 256  # data-plane arena (rounded up to a power of two)
     model_root: str = "models"  # where model names in specs are looked up
-    transport: str = "shm"  # "shm" (one host) or "tcp" (across hosts/containers)
+    transport: str = "shm"  # "shm" (one host), "tcp" (across hosts/containers) or "nvshmem" (a GPU box)
+    # The box's NVSHMEM world (transport "nvshmem"): its size (every executor of the box, ranks from
+    # the GPU lease) and generation (a new one for a world started again: worlds are fixed).
+    nvshmem_world: int = 0
+    nvshmem_generation: int = 0
     host: str = "127.0.0.1"  # address the tcp transport binds and advertises
     # The tcp transport: every socket operation's time limit and the server's connection cap. Its
     # shared secret comes from T2I_DATAPLANE_TOKEN or T2I_DATAPLANE_TOKEN_FILE (docs/dataplane.md).
