@@ -67,17 +67,17 @@ def run_dtype(loader: Any) -> Any:
     return getattr(loader, "dtype", None)
 
 
-def config_dtype(model_path: str, subfolder: str, run_dtype: Any = None) -> torch.dtype:
-    """The dtype ``from_pretrained`` gives a transformers model: ``run_dtype`` where the executor
+def config_dtype(model_path: str, subfolder: str, loaded_at: Any = None) -> torch.dtype:
+    """The dtype ``from_pretrained`` gives a transformers model: ``loaded_at`` where the executor
     loads the model at one (``torch_dtype=``: a family's CUDA default or T2I_EXECUTOR_DTYPES;
-    ``loader.dtype``), else the one saved in its config."""
+    :func:`run_dtype`), else the one saved in its config."""
     import torch
     from transformers import AutoConfig
 
-    if run_dtype is not None:
-        dtype = run_dtype if isinstance(run_dtype, torch.dtype) else getattr(torch, str(run_dtype))
+    if loaded_at is not None:
+        dtype = loaded_at if isinstance(loaded_at, torch.dtype) else getattr(torch, str(loaded_at), None)
         if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"{run_dtype!r} is not a torch dtype")
+            raise ValueError(f"{loaded_at!r} is not a torch dtype")
         return dtype
     dtype = AutoConfig.from_pretrained(model_path, subfolder=subfolder).dtype
     if isinstance(dtype, str):  # older configs spell it as a string

@@ -96,15 +96,11 @@ def convert_tree(
 ) -> list[Outcome]:
     """Convert every folder :func:`model_folders` finds under ``root``, one at a time, at ``dtype``
     (or ``dtype_for(folder)`` where given: a family's default), each only if its checkpoint is
-    missing, stale or corrupt unless ``force``. A folder that fails is logged with its error and
-    the walk goes on. Raises ValueError when ``root`` holds no model folder at all."""
-    folders = model_folders(root)
-    if not folders:
-        raise ValueError(
-            f"{root}: no pipeline folder (model_index.json) or component folder (config.json + weights) in it"
-        )
+    missing or stale (sizes checked; a corrupt chunk is caught, and converted again, when it is
+    loaded) unless ``force``. A folder that fails is logged with its error and the walk goes on.
+    Empty when ``root`` holds no model folder at all."""
     outcomes = []
-    for folder in folders:
+    for folder in model_folders(root):
         try:
             want = dtype_for(folder) if dtype_for is not None else dtype
             done = []
@@ -113,12 +109,7 @@ def convert_tree(
                     out = convert(d, cls, want, chunk_bytes=chunk_bytes, partition_bytes=partition_bytes)
                 else:
                     out = ensure_converted(
-                        d,
-                        cls,
-                        want,
-                        verify_crc=True,
-                        chunk_bytes=chunk_bytes,
-                        partition_bytes=partition_bytes,
+                        d, cls, want, chunk_bytes=chunk_bytes, partition_bytes=partition_bytes
                     )
                 index = read_index(out)
                 log.info(
@@ -169,18 +160,14 @@ def main(argv: list[str] | None = None, dtype_for: Callable[[Path], Any] | None 
         outcomes: list[Outcome] = []
         empty: list[str] = []
         for path in args.paths:
-            if not model_folders(path):  # a fresh box's empty Hub cache, say: nothing to do there
+            done = convert_tree(
+                path, dtype=args.dtype, dtype_for=None if args.dtype else dtype_for, cls=cls,
+                force=args.force, chunk_bytes=args.chunk_mib << 20, partition_bytes=args.partition_mib << 20,
+            )  # fmt: skip
+            if not done:  # a fresh box's empty Hub cache, say: nothing to do there
                 empty.append(path)
                 print(f"{path}: nothing to convert (no pipeline or component folder in it)")
-                continue
-            try:
-                outcomes += convert_tree(
-                    path, dtype=args.dtype, dtype_for=None if args.dtype else dtype_for, cls=cls,
-                    force=args.force, chunk_bytes=args.chunk_mib << 20, partition_bytes=args.partition_mib << 20,
-                )  # fmt: skip
-            except ValueError as e:
-                outcomes.append(Outcome(Path(path), [], str(e)))
-                log.error("%s", e)
+            outcomes += done
         failed = [o for o in outcomes if o.error]
         for o in outcomes:
             print(f"{o.folder}: {'FAILED: ' + o.error if o.error else f'{len(o.checkpoints)} checkpoints'}")
