@@ -171,10 +171,12 @@ class GpuLease:
                 )
             await asyncio.sleep(self.poll_s)
 
-    def apply(self, device: str, env: dict[str, str] | None = None) -> str:
+    def apply(self, device: str, env: dict[str, str] | None = None, *, narrow: bool = True) -> str:
         """Point this process at the claimed GPU: ``CUDA_VISIBLE_DEVICES`` = its id, and the device
         string to use (``cuda``: the only one now visible). If CUDA was already initialised in this
-        process (too late for the variable), the device is ``cuda:<index>`` instead. A ``cpu``
+        process (too late for the variable), or without ``narrow`` (the CUDA IPC and NVSHMEM data
+        planes: a peer's GPU must stay visible to map its memory), the device is ``cuda:<index>``
+        instead and every GPU stays visible. A ``cpu``
         device stays ``cpu``: a CPU executor standing in for a GPU one (compose on a box without
         GPUs, ``T2I_EXECUTOR_GPUS=N``) holds its lease exactly as the GPU's executor would."""
         if self.gpu is None or self.index is None:
@@ -184,6 +186,8 @@ class GpuLease:
         if not device.startswith("cuda"):
             raise GpuLeaseError(f"a GPU lease needs a cuda (or a stand-in cpu) device, not {device!r}")
         env = os.environ if env is None else env
+        if not narrow:
+            return f"cuda:{self.index}"
         if _cuda_initialised():
             log.warning("CUDA was initialised before the GPU lease; using device cuda:%d", self.index)
             return f"cuda:{self.index}"

@@ -75,13 +75,13 @@ def _block_tensor(
     arena = transport.arena
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype, device=arena.device), None
-    if arena.device == "cpu":
+    if not arena.holds_tensors:
         anchor = arena.view(offset, nbytes)
         # frombuffer in the dtype directly (nbytes is a multiple of its size: check_meta), and a
         # view of the shape only when it is not the flat one: a few µs less per pull.
         flat = torch.frombuffer(anchor, dtype=dtype)
         return (flat if len(shape) == 1 else flat.view(shape)), anchor
-    raw = arena.tensor(offset, nbytes)  # type: ignore[attr-defined]  # device arenas (nvshmem)
+    raw = arena.tensor(offset, nbytes)  # type: ignore[attr-defined]  # device arenas (TensorArena)
     return raw.view(dtype).reshape(shape), None
 
 
@@ -199,7 +199,8 @@ class TensorStore:
     def put(self, tensor_id: str, tensor: torch.Tensor, *, consumers: int, group: str) -> TensorMeta:
         """Copy ``tensor`` into a new arena block and hold it for ``consumers`` releases.
 
-        Any layout or device is accepted (copied contiguously onto the arena's device). Waits up
+        Any layout or device is accepted (copied contiguously onto the arena's device: on a device
+        arena a device-to-device copy, and the tensor then stays there for its consumers). Waits up
         to ``alloc_timeout`` for space (ArenaFullError after that). ValueError if ``tensor_id``
         is already held or ``consumers < 1``. Returns the metadata to publish, stamped with the
         tensor's generation and tag slot once its bytes are in place.
@@ -221,6 +222,8 @@ class TensorStore:
                 if nbytes:
                     dst, _ = _block_tensor(self.transport, offset, nbytes, tensor.dtype, shape)
                     dst.copy_(tensor.detach())
+                    # On a device the copy is queued: it must land before the stamp vouches for it.
+                    self.transport.arena.fence()
                 slot, generation = self.transport.tags.stamp(tensor_key(tensor_id, offset, nbytes))
             except BaseException:
                 self.transport.arena.free(offset)

@@ -13,7 +13,7 @@ import msgspec
 from libs.protocol.errors import BadTensorMetaError
 
 #: Transports a consumer may be asked to pull over.
-TRANSPORTS = frozenset({"shm", "tcp", "nvshmem"})
+TRANSPORTS = frozenset({"shm", "tcp", "cuda_ipc", "nvshmem"})
 
 #: Element size in bytes of every dtype the data plane moves, keyed by torch's name without "torch.".
 DTYPE_SIZES: dict[str, int] = {

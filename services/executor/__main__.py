@@ -30,6 +30,10 @@ def _safe_id(raw: str) -> str:
     return re.sub(r"[^A-Za-z0-9_-]", "-", raw)[:64]
 
 
+#: Transports whose arena is device memory that peers pull from GPU to GPU.
+DEVICE_TRANSPORTS = ("cuda_ipc", "nvshmem")
+
+
 def _pow2_at_least(n: int) -> int:
     return 1 << max(n - 1, 1).bit_length()
 
@@ -45,9 +49,23 @@ def granularity(cfg: ExecutorConfig) -> str:
         raise SystemExit(f"T2I_EXECUTOR_CACHE_MODE: {e}") from None
 
 
-async def claim_gpu(stack: AsyncExitStack, cfg: ExecutorConfig, executor_id: str):
+def transport_kind(cfg: ExecutorConfig) -> str:
+    """``T2I_EXECUTOR_TRANSPORT``, with ``auto`` resolved: a device arena and CUDA IPC on a CUDA
+    device, shared memory on the CPU."""
+    kinds = ("auto", "shm", "tcp", "cuda_ipc", "nvshmem")
+    if cfg.transport not in kinds:
+        raise SystemExit(f"T2I_EXECUTOR_TRANSPORT must be one of {', '.join(kinds)}, not {cfg.transport!r}")
+    if cfg.transport == "auto":
+        return "cuda_ipc" if cfg.device.startswith("cuda") else "shm"
+    if cfg.transport in ("cuda_ipc", "nvshmem") and not cfg.device.startswith("cuda"):
+        raise SystemExit(f"T2I_EXECUTOR_TRANSPORT={cfg.transport} needs a cuda device, not {cfg.device!r}")
+    return cfg.transport
+
+
+async def claim_gpu(stack: AsyncExitStack, cfg: ExecutorConfig, executor_id: str, *, narrow: bool = True):
     """Claim this executor's GPU (``T2I_EXECUTOR_GPU_LEASE``) and point CUDA at it, before torch
-    starts; released when the process exits, after the executor stopped."""
+    starts; released when the process exits, after the executor stopped. ``narrow``: make it the
+    only visible GPU (not for the device-to-device transports, whose peers' GPUs must stay visible)."""
     from libs.common.gpu_lease import GpuLease, GpuLeaseError, visible_gpus
 
     common = common_settings()
@@ -70,40 +88,56 @@ async def claim_gpu(stack: AsyncExitStack, cfg: ExecutorConfig, executor_id: str
         )
         await lease.claim()
         own(stack, lease.release, "gpu lease")
-        cfg.device = lease.apply(cfg.device)
+        cfg.device = lease.apply(cfg.device, narrow=narrow)
     except GpuLeaseError as e:
         raise SystemExit(f"T2I_EXECUTOR_GPU_LEASE: {e}") from None
     return lease
 
 
-def nvshmem_transport(stack: AsyncExitStack, cfg: ExecutorConfig, common: Any, lease: Any) -> Any:
+async def nvshmem_transport(
+    stack: AsyncExitStack, cfg: ExecutorConfig, common: Any, lease: Any, executor_id: str
+) -> tuple[Any, Any]:
     """This executor's PE of the box's NVSHMEM world (``T2I_EXECUTOR_TRANSPORT=nvshmem``): its rank is
     the index of the GPU it leased, the world's size ``T2I_EXECUTOR_NVSHMEM_WORLD`` (fixed for the
-    world's life), the unique id exchanged through Redis under the world's generation
-    (``T2I_EXECUTOR_NVSHMEM_GENERATION``; libs/dataplane/transport/bootstrap.py). ``init`` blocks
-    until every PE has joined, so a box starts its executors together."""
+    world's life), the unique id exchanged through Redis under the box's current generation (at least
+    ``T2I_EXECUTOR_NVSHMEM_GENERATION``; libs/dataplane/transport/bootstrap.py). Either every PE joins
+    within ``T2I_EXECUTOR_NVSHMEM_JOIN_S`` or none calls ``init``; a world that cannot form falls back
+    to CUDA IPC. Returns the transport and the watch that ends the executor when a PE of its world dies
+    (None on the fall-back): services/executor/world.py."""
     from libs.dataplane.transport.bootstrap import redis_uid_exchange, world_key
+    from libs.dataplane.transport.ipc import CudaIpcTransport
     from libs.dataplane.transport.nvshmem import NvshmemTransport
+    from services.executor.world import WorldWatch, current_generation, open_world
 
     if lease is None or lease.index is None:
         raise SystemExit(
             "T2I_EXECUTOR_TRANSPORT=nvshmem: the rank is the leased GPU's index; set T2I_EXECUTOR_GPU_LEASE=true"
         )
-    if not 0 < cfg.nvshmem_world or lease.index >= cfg.nvshmem_world:
+    if not 0 < cfg.nvshmem_world <= len(lease.gpus) or lease.index >= cfg.nvshmem_world:
         raise SystemExit(
-            f"T2I_EXECUTOR_NVSHMEM_WORLD={cfg.nvshmem_world}: must be the number of the box's executors "
-            f"(this one leased GPU index {lease.index})"
+            f"T2I_EXECUTOR_NVSHMEM_WORLD={cfg.nvshmem_world}: must be the number of the box's executors, at "
+            f"most its {len(lease.gpus)} GPUs (this one leased GPU index {lease.index})"
         )
+    scope = cfg.gpu_lease_scope
+    generation = await current_generation(lease.redis, common.namespace, scope, cfg.nvshmem_generation)
     client = connect_redis_sync(common.redis_url, 5.0)
     stack.callback(client.close)
-    key = world_key(common.namespace, cfg.gpu_lease_scope, cfg.nvshmem_generation)
-    return NvshmemTransport(
-        rank=lease.index,
-        nranks=cfg.nvshmem_world,
-        capacity=_pow2_at_least(cfg.arena_mb << 20),
-        exchange_uid=redis_uid_exchange(client, key),
-        device_index=0 if cfg.device == "cuda" else None,  # the lease made the GPU the only one visible
+    capacity = _pow2_at_least(cfg.arena_mb << 20)
+    exchange = redis_uid_exchange(
+        client, world_key(common.namespace, scope, generation), nranks=cfg.nvshmem_world, timeout_s=cfg.nvshmem_join_s
     )
+    transport, formed = open_world(
+        lambda: NvshmemTransport(
+            rank=lease.index, nranks=cfg.nvshmem_world, capacity=capacity, exchange_uid=exchange,
+            device_index=int(cfg.device.partition(":")[2] or 0),
+        ),
+        lambda: CudaIpcTransport(common.namespace, executor_id, capacity, device=cfg.device),
+        f"NVSHMEM world {generation} of box {scope!r}",
+    )  # fmt: skip
+    if not formed:
+        return transport, None
+    gpus = lease.gpus[: cfg.nvshmem_world]
+    return transport, WorldWatch(lease.redis, common.namespace, scope, gpus, generation)
 
 
 def advertiser(nc, cfg: ExecutorConfig, namespace: str, executor_id: str) -> Advertiser:
@@ -145,7 +179,8 @@ async def build_real(stack: AsyncExitStack, cfg: ExecutorConfig) -> WithCompanio
     executor_id = _safe_id(cfg.id or f"exec-{socket.gethostname()}-{os.getpid()}")
     setup_logging(f"executor[{executor_id}]", common.log_level)
     t0 = time.perf_counter()
-    lease = await claim_gpu(stack, cfg, executor_id) if cfg.gpu_lease else None
+    kind = transport_kind(cfg)
+    lease = await claim_gpu(stack, cfg, executor_id, narrow=kind not in DEVICE_TRANSPORTS) if cfg.gpu_lease else None
     import torch  # heavy: after logging is up, so the start-up cost is visible
 
     _library_logs_to_root()
@@ -158,17 +193,19 @@ async def build_real(stack: AsyncExitStack, cfg: ExecutorConfig) -> WithCompanio
     from services.executor.runtime import ModelCache, NodeRunner, parse_dtypes
 
     torch.set_num_threads(cfg.threads)
-    if cfg.transport == "nvshmem":
-        transport = nvshmem_transport(stack, cfg, common, lease)
+    watch = None
+    if kind == "nvshmem":
+        transport, watch = await nvshmem_transport(stack, cfg, common, lease, executor_id)
     else:
         transport = make_transport(
-            cfg.transport,
+            kind,
             namespace=common.namespace,
             executor_id=executor_id,
             capacity=_pow2_at_least(cfg.arena_mb << 20),
             host=cfg.host,
             timeout=cfg.dataplane_timeout_s,
             max_connections=cfg.dataplane_max_connections,
+            device=cfg.device,
         )
     stack.callback(transport.close)  # last: after the service stopped using the arena
     store = TensorStore(executor_id, transport, alloc_timeout=cfg.alloc_timeout_s)
@@ -227,7 +264,9 @@ async def build_real(stack: AsyncExitStack, cfg: ExecutorConfig) -> WithCompanio
         + f", weights cached by {models.weights.policy.granularity}"
         + (f", GPU {lease.gpu} leased" if lease is not None else "")
     )
-    companions = [advertiser(nc, cfg, common.namespace, executor_id), *([lease] if lease else [])]
+    companions = [
+        advertiser(nc, cfg, common.namespace, executor_id), *([lease] if lease else []), *([watch] if watch else [])
+    ]
     return WithCompanions(ExecutorGroup([service], ready), companions)
 
 

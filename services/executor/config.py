@@ -11,11 +11,15 @@ class ExecutorConfig(msgspec.Struct, forbid_unknown_fields=True):
     threads: int = 1  # torch intra-op threads; pinned because the thread count changes the bits
     arena_mb: int = 256  # data-plane arena (rounded up to a power of two)
     model_root: str = "models"  # where model names in specs are looked up
-    transport: str = "shm"  # "shm" (one host), "tcp" (across hosts/containers) or "nvshmem" (a GPU box)
+    # "auto" (default: "cuda_ipc" on a CUDA device, "shm" on the CPU), "shm" (one host, host memory),
+    # "cuda_ipc" (a GPU box: a device arena, GPU-to-GPU pulls between its executors), "tcp" (across
+    # hosts/containers) or "nvshmem" (a GPU box as one NVSHMEM world; CUDA IPC while it cannot form).
+    transport: str = "auto"
     # The box's NVSHMEM world (transport "nvshmem"): its size (every executor of the box, ranks from
     # the GPU lease) and generation (a new one for a world started again: worlds are fixed).
     nvshmem_world: int = 0
     nvshmem_generation: int = 0
+    nvshmem_join_s: float = 120.0  # how long a PE waits for the others before falling back to CUDA IPC
     host: str = "127.0.0.1"  # address the tcp transport binds and advertises
     # The tcp transport: every socket operation's time limit and the server's connection cap. Its
     # shared secret comes from T2I_DATAPLANE_TOKEN or T2I_DATAPLANE_TOKEN_FILE (docs/dataplane.md).

@@ -399,7 +399,7 @@ class WeightCache:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def _arena_tensor(self, offset: int, nbytes: int) -> torch.Tensor:
-        if self.arena.device == "cpu":
+        if not self.arena.holds_tensors:
             return torch.frombuffer(self.arena.view(offset, nbytes), dtype=torch.uint8)
         return self.arena.tensor(offset, nbytes)
 

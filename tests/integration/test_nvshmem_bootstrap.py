@@ -61,15 +61,18 @@ def test_a_rank_waiting_for_a_rank_zero_that_never_comes_gives_up_naming_the_key
 
 
 def test_the_nvshmem_transport_needs_the_gpu_lease_for_its_rank_and_the_worlds_size():
+    import asyncio
     from contextlib import AsyncExitStack
 
     from services.executor.__main__ import nvshmem_transport
     from services.executor.config import ExecutorConfig
 
     common = SimpleNamespace(namespace="t", redis_url="redis://127.0.0.1:6379/0")
-    cfg = ExecutorConfig(transport="nvshmem", nvshmem_world=2)
+    cfg = ExecutorConfig(transport="nvshmem", nvshmem_world=2, device="cuda")
     with pytest.raises(SystemExit, match="T2I_EXECUTOR_GPU_LEASE=true"):
-        nvshmem_transport(AsyncExitStack(), cfg, common, None)
-    lease = SimpleNamespace(index=2)
+        asyncio.run(nvshmem_transport(AsyncExitStack(), cfg, common, None, "e"))
+    lease = SimpleNamespace(index=2, gpus=["0", "1", "2"])
     with pytest.raises(SystemExit, match="NVSHMEM_WORLD=2"):
-        nvshmem_transport(AsyncExitStack(), cfg, common, lease)  # GPU 2 in a world of 2
+        asyncio.run(nvshmem_transport(AsyncExitStack(), cfg, common, lease, "e"))  # GPU 2 in a world of 2
+    with pytest.raises(SystemExit, match="at most its 3 GPUs"):
+        asyncio.run(nvshmem_transport(AsyncExitStack(), ExecutorConfig(nvshmem_world=4), common, lease, "e"))

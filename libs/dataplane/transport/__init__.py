@@ -1,4 +1,4 @@
-"""Transports behind one interface (paper §5.2): shared memory, TCP, NVSHMEM.
+"""Transports behind one interface (paper §5.2): shared memory, TCP, CUDA IPC, NVSHMEM.
 
 Importing this package does not import torch or nvshmem.
 """
@@ -23,6 +23,7 @@ def make_transport(
     token: str | bytes | None = None,
     timeout: float = DEFAULT_TIMEOUT,
     max_connections: int = DEFAULT_MAX_CONNECTIONS,
+    device: str = "cuda",
 ) -> Transport:
     """Build the transport an executor's config names.
 
@@ -31,6 +32,8 @@ def make_transport(
     ``"tcp"``: heap arena served on ``host`` at a free port (peers anywhere). ``token`` is the
     shared secret peers authenticate with (default ``$T2I_DATAPLANE_TOKEN``, ``""`` for none),
     ``timeout`` bounds every socket operation, ``max_connections`` caps the server's connections.
+    ``"cuda_ipc"``: a device arena on ``device``, exported to the box's other executors through
+    segment ``t2i-<namespace>-<executor_id>`` (``transport/ipc.py``).
     ``"nvshmem"`` needs world bootstrap arguments (rank, nranks, a UID exchange): construct
     ``libs.dataplane.transport.nvshmem.NvshmemTransport`` directly.
     """
@@ -40,9 +43,13 @@ def make_transport(
         return TcpTransport(
             host, 0, capacity=capacity, token=token, timeout=timeout, max_connections=max_connections
         )
+    if kind == "cuda_ipc":
+        from libs.dataplane.transport.ipc import CudaIpcTransport
+
+        return CudaIpcTransport(namespace, executor_id, capacity, device=device)
     if kind == "nvshmem":
         raise ValueError(
             "the nvshmem transport needs bootstrap arguments (rank, nranks, exchange_uid): "
             "construct libs.dataplane.transport.nvshmem.NvshmemTransport directly"
         )
-    raise ValueError(f"unknown transport kind {kind!r} (expected 'shm', 'tcp' or 'nvshmem')")
+    raise ValueError(f"unknown transport kind {kind!r} (expected 'shm', 'tcp', 'cuda_ipc' or 'nvshmem')")

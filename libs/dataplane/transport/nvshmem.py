@@ -28,7 +28,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from libs.dataplane.arena import Arena
+from libs.dataplane.arena import TensorArena
 from libs.dataplane.errors import ArenaClosedError, DataPlaneError, TransportError
 from libs.dataplane.transport.base import Transport
 from libs.dataplane.transport.tags import TAG, TagTable, check_tag, expected_tag, slots_for, stale
@@ -42,41 +42,19 @@ _HEAP_HEADROOM = 256 << 20
 UidExchange = Callable[[bytes | None], bytes]
 
 
-class NvshmemArena(Arena):
-    """The local PE's symmetric arena: buddy-allocated device memory.
-
-    Has no host ``memoryview``; ``tensor(offset, nbytes)`` returns a uint8 CUDA tensor view of a
-    block instead (the store reinterprets it with the tensor's dtype and shape).
-    """
+class NvshmemArena(TensorArena):
+    """The local PE's symmetric arena: buddy-allocated device memory (a :class:`TensorArena` over
+    the symmetric tensor; ``base_ptr`` is its address, the same offset on every PE)."""
 
     kind = "nvshmem"
 
-    def __init__(self, name: str, symmetric: Any, min_block: int = 256) -> None:
-        super().__init__(name, int(symmetric.numel()), min_block)
-        self._symmetric = symmetric
-        self.device = str(symmetric.device)
+    def __init__(self, name: str, symmetric: Any, min_block: int = 256, *, fence: Any = None) -> None:
+        super().__init__(name, symmetric, min_block, fence=fence)
         self.base_ptr: int = int(symmetric.data_ptr())
 
     @property
-    def buf(self) -> memoryview:
-        raise DataPlaneError(
-            f"arena {self.name!r} is device memory ({self.device}); use tensor(offset, nbytes)"
-        )
-
-    def view(self, offset: int, nbytes: int) -> memoryview:
-        return self.buf
-
-    def tensor(self, offset: int, nbytes: int) -> Any:
-        """A uint8 CUDA tensor over ``[offset, offset+nbytes)`` of the arena (bounds-checked)."""
-        if self.closed:
-            raise ArenaClosedError(self.name)
-        if offset < 0 or nbytes < 0 or offset + nbytes > self.capacity:
-            raise ValueError(f"range [{offset}, {offset + nbytes}) is outside arena of {self.capacity} bytes")
-        return self._symmetric[offset : offset + nbytes]
-
-    @property
     def symmetric(self) -> Any:
-        return self._symmetric
+        return self.memory
 
     def _release_backing(self) -> None:
         # Freeing symmetric memory is collective; a lone executor leaving must not call it (it
@@ -181,8 +159,11 @@ class NvshmemTransport(Transport):
             raise DataPlaneError(f"NVSHMEM init of PE {rank}/{nranks} failed: {exc}") from exc
         if int(nvshmem.my_pe()) != rank:
             raise DataPlaneError(f"NVSHMEM assigned PE {nvshmem.my_pe()} but this executor is rank {rank}")
-        self.arena: NvshmemArena = NvshmemArena(f"nvshmem-pe{rank}", symmetric, min_block)
+        self.arena: NvshmemArena = NvshmemArena(
+            f"nvshmem-pe{rank}", symmetric, min_block, fence=lambda: torch.cuda.current_stream().synchronize()
+        )
         self._tag_memory = tags
+        self._symmetric = symmetric
         self.tags: DeviceTagTable = DeviceTagTable(tags, slots, name=self.arena.name, torch=torch)
         self._staging_lock = threading.Lock()
         self.address = str(rank)
@@ -273,7 +254,7 @@ class NvshmemTransport(Transport):
         if self._finalized:
             return
         self._finalized = True
-        symmetric = self.arena.symmetric
+        symmetric = self._symmetric
         self.tags.close()
         self.arena.close()
         self._nvshmem.free_tensor(self._tag_memory)

@@ -38,7 +38,7 @@ import threading
 from collections import OrderedDict
 from multiprocessing import resource_tracker, shared_memory
 
-from libs.dataplane.arena import Segment, ShmArena, reserve_segment, segment_name, unlink_segment
+from libs.dataplane.arena import Arena, Segment, ShmArena, reserve_segment, segment_name, unlink_segment
 from libs.dataplane.errors import DataPlaneError, TransportError
 from libs.dataplane.transport.base import Transport, address_of, copy_bytes
 from libs.dataplane.transport.tags import TAG, TagTable, check_tag, expected_tag, slots_for, stale
@@ -163,9 +163,12 @@ class ShmTransport(Transport):
         min_block: int = 256,
         max_peers: int = 32,
         reserve: bool = True,
+        slots_of: int | None = None,
     ) -> None:
+        # ``slots_of``: the arena whose blocks the tag table covers when it is not the segment's
+        # (the CUDA IPC transport keeps its arena on the device and only a record here: ipc.py).
         name = segment_name(namespace, executor_id)
-        slots = slots_for(capacity, min_block)
+        slots = slots_for(capacity if slots_of is None else slots_of, min_block)
         size = capacity + slots * TAG.size + HEADER.size + DESCRIPTOR.size
         # A predecessor's segment (a crashed executor's): retire it first, so readers still
         # mapping it stop reading it, then remove it.
@@ -192,9 +195,7 @@ class ShmTransport(Transport):
             self._header = end - HEADER.size
             HEADER.pack_into(self._shm.buf, self._header, self.incarnation, HEADER_MAGIC)
             DESCRIPTOR.pack_into(self._shm.buf, end, DESCRIPTOR_MAGIC, capacity)
-            self.arena: ShmArena = ShmArena(name, capacity, create=False, min_block=min_block)
-            # Where pulled copies land: the address of our arena's first byte, once.
-            self._arena_base = address_of(self.arena.buf)
+            self.arena: Arena = self._open_arena(name, capacity, min_block)
         except BaseException:
             self._destroy()
             raise
@@ -204,6 +205,13 @@ class ShmTransport(Transport):
         self._peers: OrderedDict[str, _Peer] = OrderedDict()
         self._lock = threading.Lock()
         self._closed = False
+
+    def _open_arena(self, name: str, capacity: int, min_block: int) -> Arena:
+        """The arena over the segment's first ``capacity`` bytes, mapped as a non-owner."""
+        arena = ShmArena(name, capacity, create=False, min_block=min_block)
+        # Where pulled copies land: the address of our arena's first byte, once.
+        self._arena_base = address_of(arena.buf)
+        return arena
 
     def _destroy(self) -> None:
         """Close and unlink our segment (once the arena and tags no longer view it)."""

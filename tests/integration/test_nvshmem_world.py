@@ -1,0 +1,138 @@
+"""A box's NVSHMEM world over its life, on a real Redis (services/executor/world.py,
+libs/dataplane/transport/bootstrap.py): it forms whole or not at all, one that cannot form falls back
+to CUDA IPC (here over the IPC transport's host backend: NVSHMEM itself needs GPUs), and when a PE
+dies every surviving PE's watch ends its executor after moving the box to the next generation, once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import uuid
+
+import pytest
+import redis as redis_sync
+from redis.asyncio import Redis
+
+from libs.common.gpu_lease import GpuLease
+from libs.dataplane.errors import DataPlaneError
+from libs.dataplane.transport.bootstrap import UID_BYTES, redis_uid_exchange, world_key
+from libs.dataplane.transport.ipc import CudaIpcTransport, HostBackend
+from services.executor.world import (
+    WorldBrokenError,
+    WorldWatch,
+    current_generation,
+    generation_key,
+    next_generation,
+    open_world,
+)
+
+GPUS = ["0", "1", "2"]
+
+
+@pytest.fixture
+def client(common):
+    r = redis_sync.Redis.from_url(common.redis_url)
+    yield r
+    r.close()
+
+
+@pytest.fixture
+async def aredis(common):
+    r = Redis.from_url(common.redis_url)
+    yield r
+    await r.aclose()
+
+
+def _ranks(client, key: str, nranks: int, uid: bytes, joiners: list[int], timeout_s: float) -> dict[int, object]:
+    """Rank 0 publishes ``uid``; ``joiners`` join; what each got (bytes or the error)."""
+    got: dict[int, object] = {}
+
+    def rank(r: int) -> None:
+        try:
+            got[r] = redis_uid_exchange(client, key, nranks=nranks, timeout_s=timeout_s)(uid if r == 0 else None)
+        except DataPlaneError as e:
+            got[r] = e
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in [0, *joiners]]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s + 10)
+    return got
+
+
+def test_a_world_forms_only_when_every_pe_joins(client, common):
+    uid = os.urandom(UID_BYTES)
+    got = _ranks(client, world_key(common.namespace, "box", 0), 3, uid, [1, 2], 10.0)
+    assert got == {0: uid, 1: uid, 2: uid}  # everyone goes on to init together
+
+    # Rank 2 never comes: rank 0 gives up and closes the gate, so a rank 1 that arrives after that
+    # is refused too, and nobody is left blocked in init waiting for the others.
+    key = world_key(common.namespace, "box", 1)
+    got = _ranks(client, key, 3, uid, [], 0.5)
+    assert isinstance(got[0], DataPlaneError) and "only 0 of the world's 2 other PEs joined" in str(got[0])
+    with pytest.raises(DataPlaneError, match="rank 0 stopped waiting"):
+        redis_uid_exchange(client, key, nranks=3, timeout_s=1.0)(None)
+
+
+def test_a_world_that_cannot_form_falls_back_to_cuda_ipc(client, common):
+    made: list[CudaIpcTransport] = []
+
+    def world():
+        exchange = redis_uid_exchange(client, world_key(common.namespace, "box", 5), nranks=2, timeout_s=0.2)
+        exchange(None)  # rank 1: rank 0 never publishes
+        raise AssertionError("unreachable")
+
+    def ipc():
+        made.append(CudaIpcTransport(common.namespace, f"e{uuid.uuid4().hex[:6]}", 1 << 16, backend=HostBackend()))
+        return made[0]
+
+    try:
+        transport, formed = open_world(world, ipc, "world 5")
+        assert not formed and transport is made[0] and transport.kind == "cuda_ipc"
+    finally:
+        for t in made:
+            t.close()
+    # An error that is not "cannot form" is not swallowed.
+    with pytest.raises(ZeroDivisionError):
+        open_world(lambda: 1 / 0, ipc, "world 6")
+
+
+async def test_when_a_pe_dies_the_survivors_end_and_the_box_moves_to_the_next_generation_once(aredis, common):
+    ns = common.namespace
+    assert await current_generation(aredis, ns, "box", floor=2) == 2  # nothing recorded: the setting
+    leases = [GpuLease(aredis, ns, GPUS, owner=f"pe{r}", ttl_s=5.0, wait_s=0.0) for r in range(3)]
+    for lease in leases:
+        await lease.try_claim()
+    assert [lease.gpu for lease in leases] == GPUS
+    watches = [WorldWatch(aredis, ns, "box", GPUS, generation=2, period_s=0.05) for _ in range(2)]
+    for w in watches:
+        await w.start()
+    assert [await w.dead() for w in watches] == [[], []]
+    runs = [asyncio.create_task(w.run()) for w in watches]
+    await asyncio.sleep(0.2)
+    assert not any(r.done() for r in runs)  # a whole world: nothing happens
+
+    await leases[1].release()  # PE 1's executor is gone
+    for r in runs:
+        with pytest.raises(WorldBrokenError, match=r"lost ranks \[1\]"):
+            await asyncio.wait_for(r, 5.0)
+    # Both saw it; the box moved on once, and a restarted executor joins generation 3.
+    assert await current_generation(aredis, ns, "box", floor=2) == 3
+    assert int(await aredis.get(generation_key(ns, "box"))) == 3
+    assert await next_generation(aredis, ns, "box", seen=2) == 3  # a late watcher of world 2: no second bump
+
+    # A replacement that claimed the dead PE's GPU is not the PE the world was formed with.
+    replacement = GpuLease(aredis, ns, GPUS, owner="pe1-again", ttl_s=5.0, wait_s=0.0)
+    assert await replacement.try_claim() == "1"
+    assert await watches[0].dead() == [1]
+    fresh = WorldWatch(aredis, ns, "box", GPUS, generation=3)
+    await fresh.start()  # generation 3 starts with whoever holds the GPUs now
+    assert await fresh.dead() == []
+    await leases[0].release()
+    await leases[2].release()
+    await replacement.release()
+    with pytest.raises(WorldBrokenError, match="hold no GPU lease"):
+        await WorldWatch(aredis, ns, "box", GPUS, generation=3).start()
