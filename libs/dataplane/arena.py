@@ -458,7 +458,9 @@ class TensorArena(Arena):
 
     @property
     def buf(self) -> memoryview:
-        raise DataPlaneError(f"arena {self.name!r} is device memory ({self.device}); use tensor(offset, nbytes)")
+        raise DataPlaneError(
+            f"arena {self.name!r} is device memory ({self.device}); use tensor(offset, nbytes)"
+        )
 
     def view(self, offset: int, nbytes: int) -> memoryview:
         return self.buf

@@ -124,7 +124,10 @@ async def nvshmem_transport(
     stack.callback(client.close)
     capacity = _pow2_at_least(cfg.arena_mb << 20)
     exchange = redis_uid_exchange(
-        client, world_key(common.namespace, scope, generation), nranks=cfg.nvshmem_world, timeout_s=cfg.nvshmem_join_s
+        client,
+        world_key(common.namespace, scope, generation),
+        nranks=cfg.nvshmem_world,
+        timeout_s=cfg.nvshmem_join_s,
     )
     transport, formed = open_world(
         lambda: NvshmemTransport(
@@ -180,7 +183,11 @@ async def build_real(stack: AsyncExitStack, cfg: ExecutorConfig) -> WithCompanio
     setup_logging(f"executor[{executor_id}]", common.log_level)
     t0 = time.perf_counter()
     kind = transport_kind(cfg)
-    lease = await claim_gpu(stack, cfg, executor_id, narrow=kind not in DEVICE_TRANSPORTS) if cfg.gpu_lease else None
+    lease = (
+        await claim_gpu(stack, cfg, executor_id, narrow=kind not in DEVICE_TRANSPORTS)
+        if cfg.gpu_lease
+        else None
+    )
     import torch  # heavy: after logging is up, so the start-up cost is visible
 
     _library_logs_to_root()
@@ -232,6 +239,7 @@ async def build_real(stack: AsyncExitStack, cfg: ExecutorConfig) -> WithCompanio
         loader,
         parse_dtypes(cfg.dtypes),
         budget=max(0, cfg.device_budget_mb) << 20,
+        pool=(cfg.device_pool_mb << 20) if cfg.device_pool_mb > 0 and cfg.device.startswith("cuda") else None,
         arena=transport.arena,
         arena_budget=int(cfg.arena_weights * transport.arena.capacity),
         granularity=granularity(cfg),
@@ -265,7 +273,9 @@ async def build_real(stack: AsyncExitStack, cfg: ExecutorConfig) -> WithCompanio
         + (f", GPU {lease.gpu} leased" if lease is not None else "")
     )
     companions = [
-        advertiser(nc, cfg, common.namespace, executor_id), *([lease] if lease else []), *([watch] if watch else [])
+        advertiser(nc, cfg, common.namespace, executor_id),
+        *([lease] if lease else []),
+        *([watch] if watch else []),
     ]
     return WithCompanions(ExecutorGroup([service], ready), companions)
 

@@ -52,6 +52,11 @@ class ExecutorConfig(msgspec.Struct, forbid_unknown_fields=True):
     # GPU's free memory bounds them anyway); ``arena_weights`` is the share of the data-plane arena
     # that cached weights may fill while communication does not need it (it takes them back).
     device_budget_mb: int = 0
+    # The device memory weights and activations share (docs/memory.md, "Device memory"): each model
+    # runs with room for its profiled activations, others' layers evicted to make it. 0 (default):
+    # on CUDA what the GPU has free when the executor starts (less 512 MiB); set it when several
+    # executors share one GPU. Unused on the CPU.
+    device_pool_mb: int = 0
     arena_weights: float = 0.5
     # The unit cached weights are kept and evicted in (docs/scheduling.md, "Deployment modes"):
     # "layer" (ServerlessT2I: layer prefixes), or the paper's baselines "model" (MCache: whole models),

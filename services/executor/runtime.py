@@ -107,9 +107,10 @@ class ModelCache:
     Components load through ``loader`` (a :class:`~libs.dataplane.loader.Loader`, usually over the
     box's host tier): ModelFns whose ``load_model`` accepts a ``loader`` get it, tagged with the
     model's key so the host tier can tell every executor of the box which models it holds.
-    ``budget`` bounds the bytes of cached weights on the device (0: no bound on the CPU; on CUDA
-    the GPU's free memory bounds it anyway); ``arena`` and ``arena_budget`` let cached weights use
-    idle arena space, which communication takes back.
+    ``budget`` bounds the bytes of cached weights on the device (0: no bound on the CPU); ``pool``
+    is the device memory weights and activations share (on CUDA by default what the GPU had free at
+    start: WeightCache), each model's run leaving room for its profiled activations; ``arena`` and
+    ``arena_budget`` let cached weights use idle arena space, which communication takes back.
     """
 
     def __init__(
@@ -125,6 +126,7 @@ class ModelCache:
         kind: str = "",
         keep: Any = None,
         granularity: str = "layer",
+        pool: int | None = None,
     ) -> None:
         self.root = root
         self.device = device
@@ -132,7 +134,7 @@ class ModelCache:
         self.dtypes = dict(dtypes or {})  # model name (or "*") -> dtype its components load in
         self.weights = WeightCache(
             device, budget, loader=loader, arena=arena, arena_budget=arena_budget,
-            kind=kind or torch.device(device).type, keep=keep, granularity=granularity,
+            kind=kind or torch.device(device).type, keep=keep, granularity=granularity, pool=pool,
         )  # fmt: skip
         self._fns: dict[str, ModelFn] = {}
         self._takes_loader: dict[str, bool] = {}
@@ -274,6 +276,28 @@ class ModelCache:
     def trim(self, fn: str, model: str, resident: int) -> None:
         """Keep only the first ``resident`` layers of a loaded model (benchmarks, tests)."""
         self.weights.trim(ModelKey(fn, model), resident)
+
+
+def tile_if_short(weights: Any, key: Any, components: dict[str, Any]) -> list[Any]:
+    """Where ``key``'s profiled activations do not fit beside the weights resident now, the
+    components that can decode in tiles (diffusers' VAEs: ``enable_tiling``) do so for this run;
+    returns those switched on (the caller switches them off). Tiled decodes blend overlapping tiles,
+    so their images differ slightly from a whole decode's: only what would not fit tiles."""
+    if not weights.short_of(key):
+        return []
+    out = []
+    for comp in components.values():
+        if callable(getattr(comp, "enable_tiling", None)) and not getattr(comp, "use_tiling", False):
+            comp.enable_tiling()
+            out.append(comp)
+    if out:
+        log.info(
+            "%s: activations of %d bytes do not fit in %d; decoding in tiles",
+            key,
+            weights.headroom(key),
+            weights.room(),
+        )
+    return out
 
 
 def default_dtype(inst: ModelFn, device: str) -> str | None:
@@ -418,6 +442,26 @@ class NodeRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def _peak_reset(self) -> int:
+        """On CUDA: the bytes allocated before a run, the allocator's peak reset to them."""
+        if self.device.type != "cuda":
+            return 0
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return torch.cuda.memory_allocated(self.device)
+
+    def _peak_record(self, key: Any, base: int) -> None:
+        """On CUDA: the run's activations (peak allocated beyond ``base``) into its model's profile."""
+        if self.device.type == "cuda":
+            self.models.weights.record_activation(key, torch.cuda.max_memory_allocated(self.device) - base)
+
+    def _oom(self, key: Any, components: dict[str, Any]) -> None:
+        weights = self.models.weights
+        room = weights.room()
+        if room is not None:
+            weights.record_activation(key, max(room + 1, weights.headroom(key) * 2))
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def run_sync(self, d: Dispatch, blobs: dict[str, bytes] | None = None) -> NodeOutcome:
         """Run ``d`` in this thread: check its inputs, load its model, then bind, execute and store.
 
@@ -436,17 +480,26 @@ class NodeRunner:
             run.callback(fetches.close)
             self.models.weights.begin_request(d.request_id)  # NoCache: another request's models go
             held = self.models.acquire(d.fn, d.model, d.workflow)  # missing layers copy in while it runs
+            tiled: list[Any] = []
             try:
                 try:
+                    tiled = tile_if_short(self.models.weights, held.key, held.components)
                     inputs, deferred = self._bind_inputs(d, declared, blobs or {}, fetches)
+                    base = self._peak_reset()
                     outs, exec_s = self._execute(fn, held.components, inputs, fetches)
+                    self._peak_record(held.key, base)
                 finally:
+                    for module in tiled:
+                        module.disable_tiling()
                     load = self.models.release(held)  # unpinned: evictable again
             except NodeError:
                 raise
             except LayerLoadError as e:
                 raise NodeError(f"{d.fn}: {e}", retryable=True) from e
             except torch.OutOfMemoryError as e:
+                # What ran out of room needs more than the room it had: its next run leaves more
+                # (and a decode that can tile, tiles).
+                self._oom(held.key, held.components)
                 raise NodeError(f"{d.fn} ran out of memory: {e}", retryable=True) from e
             except Exception as e:  # noqa: BLE001 - a ModelFn bug fails the node, not the executor
                 raise NodeError(f"{d.fn}.execute raised {type(e).__name__}: {e}") from e

@@ -44,6 +44,11 @@ from services.executor.layers import PAGE, LayerLoadError, LayerSlot, VirtualMod
 
 log = logging.getLogger(__name__)
 
+#: Activation room a model gets before its first run has been profiled.
+DEFAULT_HEADROOM = 1 << 30
+#: What a CUDA pool taken from the GPU's free memory leaves for the context and the allocator's slack.
+CUDA_MARGIN = 512 << 20
+
 
 def _flat(loaded: Any) -> torch.Tensor:
     """The flat uint8 host buffer a LoadedCheckpoint's tensors view."""
@@ -166,10 +171,24 @@ class WeightCache:
         kind: str = "cpu",
         keep: Callable[[Hashable, list[int]], int | None] | None = None,
         granularity: str = LAYER,
+        pool: int | None = None,
     ) -> None:
         self.device = torch.device(device)
         self.unlimited = budget <= 0
-        self.configured = budget  # the operator's bound (the GPU's free memory may lower it)
+        self.configured = budget  # the operator's bound on cached weights
+        # The device memory this executor's weights and activations share (bytes): counted by the
+        # cache itself, never read back through the caching allocator (whose freed blocks stay
+        # reserved). On CUDA, unless given, what the GPU had free when the cache was made (the device
+        # arena is allocated before it) less a margin for the CUDA context's own allocations. None
+        # (the CPU's default): weights are bounded by ``budget`` alone.
+        if pool is None and self.device.type == "cuda":
+            free, _total = torch.cuda.mem_get_info(self.device)
+            pool = max(0, free - CUDA_MARGIN)
+        self.pool = pool
+        # Peak bytes allocated by one run of each model beyond its weights (its activations, outputs
+        # included), from its runs so far (record_activation); until a model has run, the default.
+        self.activation: dict[Hashable, int] = {}
+        self.default_headroom = DEFAULT_HEADROOM
         if arena is not None and not same_device(torch.device(arena.device), self.device):
             # Idle communication memory is a weight cache only on the weights' own device: a CUDA
             # executor's host arena would hand its layers CPU memory (bound, they break the model).
@@ -224,7 +243,7 @@ class WeightCache:
         t0 = time.perf_counter()
         vm = self.models[key]
         with self._lock:
-            self._refresh_budget()
+            self._refresh_budget(key)
             before = self.policy.resident(key)
 
             def try_arena(layer: int, nbytes: int) -> bool:
@@ -237,6 +256,9 @@ class WeightCache:
                 self._apply_eviction(ev)
 
             placements = self.policy.acquire(key, evict, try_arena)
+            if self.pool is not None:  # resident others that stand in the way of its activations
+                for ev in self.policy.over_budget():
+                    evict(ev)
             for i, region in placements:
                 self._allocate(vm, i, region)
             for i, _ in placements:
@@ -286,6 +308,7 @@ class WeightCache:
             vm.profiling = False
             with self._lock:
                 self.policy.unpin(key)
+                self._refresh_budget()
                 for ev in self.policy.over_budget():
                     self._apply_eviction(ev)
 
@@ -356,17 +379,38 @@ class WeightCache:
             self._stream = torch.cuda.Stream(device=self.device)
         return self._stream
 
-    def _refresh_budget(self) -> None:
-        """On CUDA the device region is also bounded by what the GPU has free right now: free in
-        the driver's view plus what PyTorch's caching allocator holds unused (an evicted layer's
-        block stays there, reserved but free: counting only the driver's view, every eviction
-        shrank the budget by the bytes it freed)."""
-        if self.device.type != "cuda":
+    # -- activations -----------------------------------------------------------------------------
+    def headroom(self, key: Hashable) -> int:
+        """The device memory ``key``'s next run needs beyond its weights: its profiled peak."""
+        return self.activation.get(key, self.default_headroom)
+
+    def record_activation(self, key: Hashable, nbytes: int) -> None:
+        """A run of ``key`` allocated at most ``nbytes`` beyond what was allocated when it began (the
+        runner measures it on CUDA); the largest seen is what its next runs leave room for."""
+        with self._lock:
+            self.activation[key] = max(int(nbytes), self.activation.get(key, 0))
+
+    def room(self) -> int | None:
+        """Device memory of the pool not held by weights now (None without a pool)."""
+        if self.pool is None:
+            return None
+        with self._lock:
+            return self.pool - self.policy.used[DEVICE]
+
+    def short_of(self, key: Hashable) -> bool:
+        """Whether ``key``'s profiled activations do not fit beside the weights resident now (a VAE
+        decode then tiles: services/executor/runtime.py)."""
+        room = self.room()
+        return room is not None and key in self.activation and self.activation[key] > room
+
+    def _refresh_budget(self, key: Hashable = None) -> None:
+        """With a pool, the weights' region is the pool less the activations of the model about to
+        run (its profiled peak: placing it evicts what stands in the way of both); between runs
+        (``key`` None) the whole pool, so that a model whose activations needed its neighbours' room
+        keeps its own weights once it is done."""
+        if self.pool is None:
             return
-        free, _total = torch.cuda.mem_get_info(self.device)
-        free += max(0, torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device))
-        headroom = 1 << 30  # activations of the next forward
-        room = self.policy.used[DEVICE] + max(0, free - headroom)
+        room = max(0, self.pool - (self.headroom(key) if key is not None else 0))
         self.policy.budgets[DEVICE] = room if self.unlimited else min(self.configured, room)
 
     def _take_arena(self, slot: LayerSlot) -> bool:

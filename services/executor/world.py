@@ -130,7 +130,9 @@ class WorldWatch:
                     "NVSHMEM world %d lost ranks %s: the box moves to generation %d; this executor ends "
                     "to join it", self.generation, dead, gen,
                 )  # fmt: skip
-                raise WorldBrokenError(f"NVSHMEM world {self.generation} lost ranks {dead} (box now at {gen})")
+                raise WorldBrokenError(
+                    f"NVSHMEM world {self.generation} lost ranks {dead} (box now at {gen})"
+                )
 
     async def stop(self) -> None:
         pass

@@ -45,13 +45,17 @@ async def aredis(common):
     await r.aclose()
 
 
-def _ranks(client, key: str, nranks: int, uid: bytes, joiners: list[int], timeout_s: float) -> dict[int, object]:
+def _ranks(
+    client, key: str, nranks: int, uid: bytes, joiners: list[int], timeout_s: float
+) -> dict[int, object]:
     """Rank 0 publishes ``uid``; ``joiners`` join; what each got (bytes or the error)."""
     got: dict[int, object] = {}
 
     def rank(r: int) -> None:
         try:
-            got[r] = redis_uid_exchange(client, key, nranks=nranks, timeout_s=timeout_s)(uid if r == 0 else None)
+            got[r] = redis_uid_exchange(client, key, nranks=nranks, timeout_s=timeout_s)(
+                uid if r == 0 else None
+            )
         except DataPlaneError as e:
             got[r] = e
 
@@ -86,7 +90,9 @@ def test_a_world_that_cannot_form_falls_back_to_cuda_ipc(client, common):
         raise AssertionError("unreachable")
 
     def ipc():
-        made.append(CudaIpcTransport(common.namespace, f"e{uuid.uuid4().hex[:6]}", 1 << 16, backend=HostBackend()))
+        made.append(
+            CudaIpcTransport(common.namespace, f"e{uuid.uuid4().hex[:6]}", 1 << 16, backend=HostBackend())
+        )
         return made[0]
 
     try:

@@ -105,7 +105,9 @@ class DeviceBackend(abc.ABC):
 
 
 class _HostMemory(Memory):
-    def __init__(self, tensor: Any, handle: bytes, owner: shared_memory.SharedMemory | None, seg: Any) -> None:
+    def __init__(
+        self, tensor: Any, handle: bytes, owner: shared_memory.SharedMemory | None, seg: Any
+    ) -> None:
         self.tensor = tensor
         self.handle = handle
         self.uuid = "host"
@@ -157,7 +159,9 @@ class HostBackend(DeviceBackend):
             raise TransportError(name, f"cannot map the peer's device arena: {exc}") from exc
         if seg.size < capacity:
             seg.close()
-            raise TransportError(name, f"the peer's device arena has {seg.size} bytes, its record says {capacity}")
+            raise TransportError(
+                name, f"the peer's device arena has {seg.size} bytes, its record says {capacity}"
+            )
         with warnings.catch_warnings():  # read-only mapping: only ever a copy's source
             warnings.simplefilter("ignore", UserWarning)
             tensor = torch.frombuffer(seg.view[:capacity], dtype=torch.uint8)
@@ -207,7 +211,9 @@ def _load_cudart() -> ctypes.CDLL:
         lib.cudaIpcCloseMemHandle.argtypes = [ctypes.c_void_p]
         lib.cudaGetErrorString.restype = ctypes.c_char_p
         return lib
-    raise DataPlaneError("CUDA IPC transport unavailable: no CUDA runtime library (" + "; ".join(errors) + ")")
+    raise DataPlaneError(
+        "CUDA IPC transport unavailable: no CUDA runtime library (" + "; ".join(errors) + ")"
+    )
 
 
 class _DevicePointer:
@@ -215,7 +221,12 @@ class _DevicePointer:
     tensor keeps this object, and so nothing else, alive)."""
 
     def __init__(self, ptr: int, nbytes: int) -> None:
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 2}
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "version": 2,
+        }
 
 
 class _CudaMemory(Memory):
@@ -291,7 +302,9 @@ class CudaBackend(DeviceBackend):
                 self.call("cudaFree", ptr)
                 raise
         uuid = str(self.torch.cuda.get_device_properties(self.index).uuid)
-        return _CudaMemory(self, self.index, int(ptr.value or 0), capacity, bytes(handle.reserved), uuid, ours=True)
+        return _CudaMemory(
+            self, self.index, int(ptr.value or 0), capacity, bytes(handle.reserved), uuid, ours=True
+        )
 
     def open(self, handle: bytes, uuid: str, capacity: int) -> Memory:
         if len(handle) != _IPC_HANDLE_BYTES:
@@ -299,14 +312,17 @@ class CudaBackend(DeviceBackend):
         index = self._uuids.get(uuid)
         if index is None:
             raise TransportError(
-                uuid, "the producer's GPU is not visible to this process (every executor of a box must see every GPU)"
+                uuid,
+                "the producer's GPU is not visible to this process (every executor of a box must see every GPU)",
             )
         raw = _IpcHandle()
         raw.reserved = handle
         ptr = ctypes.c_void_p()
         with self.torch.cuda.device(index):  # the mapping lives on the producer's GPU
             try:
-                self.call("cudaIpcOpenMemHandle", ctypes.byref(ptr), raw, ctypes.c_uint(_LAZY_ENABLE_PEER_ACCESS))
+                self.call(
+                    "cudaIpcOpenMemHandle", ctypes.byref(ptr), raw, ctypes.c_uint(_LAZY_ENABLE_PEER_ACCESS)
+                )
             except DataPlaneError as exc:
                 raise TransportError(uuid, str(exc)) from exc
         return _CudaMemory(self, index, int(ptr.value or 0), capacity, handle, uuid, ours=False)
@@ -393,7 +409,9 @@ class CudaIpcTransport(ShmTransport):
         self._memory: Memory | None = None
         self._mappings: dict[str, _Mapping] = {}
         self._map_lock = threading.Lock()
-        super().__init__(namespace, executor_id, RECORD_BYTES, min_block=min_block, max_peers=max_peers, slots_of=capacity)
+        super().__init__(
+            namespace, executor_id, RECORD_BYTES, min_block=min_block, max_peers=max_peers, slots_of=capacity
+        )
 
     def _open_arena(self, name: str, capacity: int, min_block: int) -> TensorArena:
         """Allocate the device arena and write the record peers open it with into the segment."""
@@ -431,8 +449,12 @@ class CudaIpcTransport(ShmTransport):
         if magic != RECORD_MAGIC:
             raise TransportError(name, "peer segment holds no device-arena record (not a cuda_ipc producer?)")
         if backend_name != self.backend.name:
-            raise TransportError(name, f"peer exports {backend_name!r} memory, this transport maps {self.backend.name!r}")
-        memory = self.backend.open(bytes(handle[:hlen]), uuid.rstrip(b"\0").decode(errors="replace"), capacity)
+            raise TransportError(
+                name, f"peer exports {backend_name!r} memory, this transport maps {self.backend.name!r}"
+            )
+        memory = self.backend.open(
+            bytes(handle[:hlen]), uuid.rstrip(b"\0").decode(errors="replace"), capacity
+        )
         fresh = _Mapping(peer, memory, capacity)
         fresh.acquire()
         with self._map_lock:
@@ -446,7 +468,9 @@ class CudaIpcTransport(ShmTransport):
         """One device-to-device copy from the peer's device arena into ours at ``offset``; the tag
         checked after it (StaleTensorError: the bytes must not be used)."""
         if meta.transport != self.kind:
-            raise BadTensorMetaError("transport", f"{meta.transport!r} tensor cannot be read by a {self.kind!r} transport")
+            raise BadTensorMetaError(
+                "transport", f"{meta.transport!r} tensor cannot be read by a {self.kind!r} transport"
+            )
         if meta.nbytes == 0:
             return
         dst = self.arena.tensor(offset, meta.nbytes)  # bounds-checked
@@ -455,7 +479,8 @@ class CudaIpcTransport(ShmTransport):
             end = meta.offset + meta.nbytes
             if meta.offset < 0 or end > mapping.capacity:
                 raise TransportError(
-                    meta.address, f"range [{meta.offset}, {end}) is outside the peer arena of {mapping.capacity} bytes"
+                    meta.address,
+                    f"range [{meta.offset}, {end}) is outside the peer arena of {mapping.capacity} bytes",
                 )
             peer = mapping.peer
             if meta.generation and meta.tag_slot >= peer.slots:

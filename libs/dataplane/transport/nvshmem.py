@@ -29,7 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from libs.dataplane.arena import TensorArena
-from libs.dataplane.errors import ArenaClosedError, DataPlaneError, TransportError
+from libs.dataplane.errors import DataPlaneError, TransportError
 from libs.dataplane.transport.base import Transport
 from libs.dataplane.transport.tags import TAG, TagTable, check_tag, expected_tag, slots_for, stale
 from libs.protocol.tensor_meta import TensorMeta
