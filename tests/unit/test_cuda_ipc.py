@@ -4,7 +4,7 @@ record in the executor's segment), one copy per pull from a peer on the box, and
 transport's identity checks, so a stale, reused or restarted producer's block is refused. The
 device memory here is the host backend's (a second shared-memory segment): the CUDA backend runs
 the same code with cudaMalloc / cudaIpcOpenMemHandle and is tested on a GPU
-(tests/gpu/test_cuda_ipc_gpu.py)."""
+(tests/unit/test_cuda_dataplane_gpu.py)."""
 
 from __future__ import annotations
 
@@ -178,3 +178,44 @@ def test_auto_picks_the_device_arena_on_cuda_and_shared_memory_on_the_cpu():
         transport_kind(ExecutorConfig(device="cpu", transport="cuda_ipc"))
     with pytest.raises(SystemExit, match="must be one of"):
         transport_kind(ExecutorConfig(transport="rdma"))
+
+
+def test_cached_weights_live_in_the_device_arena_and_an_output_takes_them_back(ns, tmp_path):
+    """The weights' elastic share (paper §5.3) in the device arena: a budget below the transformer
+    puts its last layers in arena blocks (tensor views of the arena, on its device), and an output
+    that needs the space reclaims them at once."""
+    from libs.dataplane.loader import Loader
+    from libs.models import tiny_flux
+    from libs.protocol.ids import ModelKey
+    from services.executor.runtime import ModelCache
+
+    tiny_flux.build(tmp_path)
+    key = ModelKey("flux.transformer", "tiny-flux")
+    t = CudaIpcTransport(ns, "w", CAP, backend=HostBackend())
+    try:
+        with Loader() as loader:
+            probe = ModelCache(tmp_path, "cpu", loader)
+            probe.components(key.fn, key.model)
+            nbytes = probe.weights.models[key].nbytes
+            expected = probe.fn(key.fn)
+            cache = ModelCache(tmp_path, "cpu", loader, budget=nbytes // 2, arena=t.arena, arena_budget=CAP)
+            comps, _ = cache.components(key.fn, key.model)
+            slots = cache.weights.models[key].slots
+            in_arena = [s for s in slots if s.where == "arena"]
+            assert in_arena and all(
+                t.arena.memory.data_ptr() <= s.storage.data_ptr() < t.arena.memory.data_ptr() + CAP
+                for s in in_arena
+            )
+            same = all(
+                torch.equal(p, q)
+                for p, q in zip(comps["transformer"].state_dict().values(),
+                                probe.components(key.fn, key.model)[0]["transformer"].state_dict().values(), strict=True)
+            )  # fmt: skip
+            assert same and expected is not None
+            meta = TensorStore("w", t, alloc_timeout=0).put(
+                "big", torch.ones(CAP // 4), consumers=1, group="g"
+            )
+            assert meta.nbytes == CAP and cache.weights.evictions >= len(in_arena)  # the whole arena
+            assert not any(s.where == "arena" for s in slots)
+    finally:
+        t.close()
