@@ -115,6 +115,7 @@ class _Entry:
     offset: int
     refcount: int
     group: str
+    transport: Transport  # whose arena holds the block
 
 
 class Lease:
@@ -216,33 +217,35 @@ class TensorStore:
             if tensor_id in self._entries or tensor_id in self._pending:
                 raise ValueError(f"tensor {tensor_id!r} is already in the store")
             self._pending.add(tensor_id)
+        # The transport whose arena holds it (one of a FallbackTransport's: the one in use now).
+        tr = self.transport.for_put()
         try:
-            offset = self.transport.arena.allocate(nbytes, timeout=self.alloc_timeout)
+            offset = tr.arena.allocate(nbytes, timeout=self.alloc_timeout)
             try:
                 if nbytes:
-                    dst, _ = _block_tensor(self.transport, offset, nbytes, tensor.dtype, shape)
+                    dst, _ = _block_tensor(tr, offset, nbytes, tensor.dtype, shape)
                     dst.copy_(tensor.detach())
                     # On a device the copy is queued: it must land before the stamp vouches for it.
-                    self.transport.arena.fence()
-                slot, generation = self.transport.tags.stamp(tensor_key(tensor_id, offset, nbytes))
+                    tr.arena.fence()
+                slot, generation = tr.tags.stamp(tensor_key(tensor_id, offset, nbytes))
             except BaseException:
-                self.transport.arena.free(offset)
+                tr.arena.free(offset)
                 raise
             meta = TensorMeta(
                 tensor_id=tensor_id,
                 executor=self.executor_id,
-                transport=self.transport.kind,
-                address=self.transport.address,
+                transport=tr.kind,
+                address=tr.address,
                 offset=offset,
                 nbytes=nbytes,
                 dtype=name,
                 shape=shape,
-                device=self.transport.arena.device,
+                device=tr.arena.device,
                 generation=generation,
                 tag_slot=slot,
             )
             with self._lock:
-                self._entries[tensor_id] = _Entry(meta, offset, consumers, group)
+                self._entries[tensor_id] = _Entry(meta, offset, consumers, group, tr)
                 self._groups.setdefault(group, set()).add(tensor_id)
             return meta
         finally:
@@ -297,8 +300,8 @@ class TensorStore:
     def _free(self, entry: _Entry) -> None:
         # The stamp goes first: from then on every reader of the tensor fails, so the block may
         # be reused under a reader still copying it without that reader ever using the bytes.
-        self.transport.tags.clear(entry.meta.tag_slot)
-        self.transport.arena.free(entry.offset)
+        entry.transport.tags.clear(entry.meta.tag_slot)
+        entry.transport.arena.free(entry.offset)
 
     def _forget(self, tensor_id: str, entry: _Entry) -> None:
         del self._entries[tensor_id]
@@ -339,20 +342,21 @@ class TensorStore:
                 )
             if entry.offset != meta.offset or entry.meta.nbytes != meta.nbytes:
                 raise TensorNotFoundError(meta.tensor_id)
-            view, _ = _block_tensor(self.transport, meta.offset, meta.nbytes, dtype, meta.shape)
+            view, _ = _block_tensor(entry.transport, meta.offset, meta.nbytes, dtype, meta.shape)
             return Lease(meta, view, local=True)
-        arena = self.transport.arena
+        dest = self.transport.for_put()  # the copy lands in the arena our outputs go to now
+        arena = dest.arena
         offset = arena.allocate(meta.nbytes, timeout=self.alloc_timeout)
         # The tensor, the lease and its safety net are made *before* the copy: after a copy of
         # megabytes this code would run with cold caches, several times slower. Nobody sees the
         # tensor before the pull has succeeded (tag checked); a failed pull frees the block.
         try:
-            tensor, anchor = _block_tensor(self.transport, offset, meta.nbytes, dtype, meta.shape)
+            tensor, anchor = _block_tensor(dest, offset, meta.nbytes, dtype, meta.shape)
         except BaseException:
             arena.free(offset)
             raise
         lease = Lease(
-            meta, tensor, local=False, transferred_bytes=meta.nbytes, copies=self.transport.copies_per_pull
+            meta, tensor, local=False, transferred_bytes=meta.nbytes, copies=self.transport.copies_for(meta)
         )
         # Safety net for leases dropped without close(): free the block once nothing can see it.
         # On host arenas that is when the memoryview every derived tensor's storage holds dies;
@@ -362,7 +366,7 @@ class TensorStore:
         try:
             start = time.perf_counter()
             if meta.nbytes:
-                self.transport.read_into(meta, offset)
+                self.transport.pull(meta, dest, offset)
             lease.transfer_s = time.perf_counter() - start
         except BaseException:
             lease.close()  # frees the block now: its bytes are garbage, and nobody saw them
@@ -384,6 +388,11 @@ class TensorStore:
         with self._lock:
             entry = self._entries.get(tensor_id)
         return None if entry is None else entry.meta
+
+    def held_in(self, transport: Transport) -> int:
+        """How many tensors we hold in ``transport``'s arena (one of a FallbackTransport's pair)."""
+        with self._lock:
+            return sum(1 for e in self._entries.values() if e.transport is transport)
 
     def refcount(self, tensor_id: str) -> int:
         """Releases still expected for ``tensor_id`` (0 if not held)."""

@@ -102,9 +102,11 @@ async def nvshmem_transport(
     world's life), the unique id exchanged through Redis under the box's current generation (at least
     ``T2I_EXECUTOR_NVSHMEM_GENERATION``; libs/dataplane/transport/bootstrap.py). Either every PE joins
     within ``T2I_EXECUTOR_NVSHMEM_JOIN_S`` or none calls ``init``; a world that cannot form falls back
-    to CUDA IPC. Returns the transport and the watch that ends the executor when a PE of its world dies
-    (None on the fall-back): services/executor/world.py."""
+    to CUDA IPC. Returns the transport (the world's with a CUDA IPC fall-back) and the watch that
+    switches to the fall-back when a PE of the world dies and ends the executor once drained (None
+    when the world did not form): services/executor/world.py."""
     from libs.dataplane.transport.bootstrap import redis_uid_exchange, world_key
+    from libs.dataplane.transport.fallback import FallbackTransport
     from libs.dataplane.transport.ipc import CudaIpcTransport
     from libs.dataplane.transport.nvshmem import NvshmemTransport
     from services.executor.world import WorldWatch, current_generation, open_world
@@ -129,7 +131,7 @@ async def nvshmem_transport(
         nranks=cfg.nvshmem_world,
         timeout_s=cfg.nvshmem_join_s,
     )
-    transport, formed = open_world(
+    world, formed = open_world(
         lambda: NvshmemTransport(
             rank=lease.index, nranks=cfg.nvshmem_world, capacity=capacity, exchange_uid=exchange,
             device_index=int(cfg.device.partition(":")[2] or 0),
@@ -138,9 +140,22 @@ async def nvshmem_transport(
         f"NVSHMEM world {generation} of box {scope!r}",
     )  # fmt: skip
     if not formed:
-        return transport, None
+        return world, None
+    # Every PE also holds a CUDA IPC arena: when a PE of the world dies, the survivors go on over it.
+    transport = FallbackTransport(
+        world, CudaIpcTransport(common.namespace, executor_id, capacity, device=cfg.device)
+    )
     gpus = lease.gpus[: cfg.nvshmem_world]
-    return transport, WorldWatch(lease.redis, common.namespace, scope, gpus, generation)
+    watch = WorldWatch(
+        lease.redis,
+        common.namespace,
+        scope,
+        gpus,
+        generation,
+        fall_back=transport.fall_back,
+        drain_s=cfg.nvshmem_drain_s,
+    )
+    return transport, watch
 
 
 def advertiser(nc, cfg: ExecutorConfig, namespace: str, executor_id: str) -> Advertiser:
@@ -216,6 +231,8 @@ async def build_real(stack: AsyncExitStack, cfg: ExecutorConfig) -> WithCompanio
         )
     stack.callback(transport.close)  # last: after the service stopped using the arena
     store = TensorStore(executor_id, transport, alloc_timeout=cfg.alloc_timeout_s)
+    if watch is not None:  # the world broken, the executor ends once none of its tensors is left in it
+        watch.drained = lambda: store.held_in(transport.primary) == 0
     tier = None
     if cfg.host_tier_mb < 0:
         cfg.host_tier_mb = default_host_tier_mb(cfg.host_tier_dir)

@@ -20,6 +20,9 @@ class ExecutorConfig(msgspec.Struct, forbid_unknown_fields=True):
     nvshmem_world: int = 0
     nvshmem_generation: int = 0
     nvshmem_join_s: float = 120.0  # how long a PE waits for the others before falling back to CUDA IPC
+    # After a PE of the world died: how long a survivor serves over CUDA IPC, waiting for its tensors
+    # in the world's arena to be released, before it ends to join the next generation.
+    nvshmem_drain_s: float = 300.0
     host: str = "127.0.0.1"  # address the tcp transport binds and advertises
     # The tcp transport: every socket operation's time limit and the server's connection cap. Its
     # shared secret comes from T2I_DATAPLANE_TOKEN or T2I_DATAPLANE_TOKEN_FILE (docs/dataplane.md).

@@ -15,10 +15,15 @@ that generation's key, libs/dataplane/transport/bootstrap.py).
   runs in every PE; once a rank's lease is no longer held by the token that held it when the world
   formed (released, lapsed after its TTL, or claimed by a replacement executor), the world is broken:
   the watcher moves the box to the next generation (one compare-and-set, whoever sees it first) and
-  ends the executor (the process exits; its supervisor starts it again). The work the dead world held
-  (tensors in its PEs' arenas) is lost as an executor's is when it dies: the scheduler reruns what
-  needs it from its lineage. The restarted executors form the next generation; until all of its PEs
-  have joined, those that give up waiting (``_JOIN_S``) serve over CUDA IPC.
+  the executor falls back to CUDA IPC at once (its transport is a
+  :class:`~libs.dataplane.transport.fallback.FallbackTransport`: every executor of a world also holds a
+  CUDA IPC arena), so it goes on serving: new tensors go to the CUDA IPC arena, those already in the
+  world's arena stay readable until released. Once none is left (or ``T2I_EXECUTOR_NVSHMEM_DRAIN_S``
+  passed) the executor ends; its supervisor starts it again and it joins the next generation, which
+  forms when every PE of the box has joined (or, after ``_JOIN_S``, does not: CUDA IPC for that
+  process's life). What the dead PE held is lost as a dead executor's always is: the scheduler reruns
+  what needs it from its lineage. Between an executor's exit and the next world forming, that
+  executor serves nothing.
 
 Plain Redis: tested on the CPU with GPU leases of CPU stand-ins (tests/integration/test_nvshmem_world.py).
 """
@@ -84,8 +89,11 @@ def open_world(factory: Callable[[], Any], fallback: Callable[[], Any], what: st
 
 class WorldWatch:
     """Watches the GPU leases of world generation ``generation``'s ranks (``gpus[r]`` is rank r's GPU
-    id); :meth:`run` raises WorldBrokenError once one is no longer held by the token that held it when
-    :meth:`start` looked (then the box is on the next generation already)."""
+    id). Once one is no longer held by the token that held it when :meth:`start` looked, :meth:`run`
+    moves the box to the next generation, calls ``fall_back()`` (the executor's transport switches to
+    CUDA IPC: it goes on serving), waits until ``drained()`` (no tensor of ours left in the world's
+    arena) or ``drain_s`` passed, and raises WorldBrokenError: the executor ends, its supervisor
+    starts it again, and it joins the next generation."""
 
     def __init__(
         self,
@@ -96,6 +104,9 @@ class WorldWatch:
         generation: int,
         *,
         period_s: float = 2.0,
+        fall_back: Callable[[], object] | None = None,
+        drained: Callable[[], bool] | None = None,
+        drain_s: float = 300.0,
     ) -> None:
         self.redis = redis
         self.namespace = namespace
@@ -103,7 +114,11 @@ class WorldWatch:
         self.keys = [lease_key(namespace, scope, g) for g in gpus]
         self.generation = generation
         self.period_s = period_s
+        self.fall_back = fall_back
+        self.drained = drained
+        self.drain_s = drain_s
         self.holders: list[bytes | None] = []
+        self.fell_back = False
 
     async def _tokens(self) -> list[bytes | None]:
         return list(await self.redis.mget(self.keys))
@@ -125,14 +140,21 @@ class WorldWatch:
             await asyncio.sleep(self.period_s)
             dead = await self.dead()
             if dead:
-                gen = await next_generation(self.redis, self.namespace, self.scope, self.generation)
-                log.error(
-                    "NVSHMEM world %d lost ranks %s: the box moves to generation %d; this executor ends "
-                    "to join it", self.generation, dead, gen,
-                )  # fmt: skip
-                raise WorldBrokenError(
-                    f"NVSHMEM world {self.generation} lost ranks {dead} (box now at {gen})"
-                )
+                break
+        gen = await next_generation(self.redis, self.namespace, self.scope, self.generation)
+        if self.fall_back is not None:
+            self.fall_back()
+            self.fell_back = True
+        log.error(
+            "NVSHMEM world %d lost ranks %s: the box moves to generation %d; this executor serves over CUDA "
+            "IPC until its tensors in the world's arena are released, then ends to join it",
+            self.generation, dead, gen,
+        )  # fmt: skip
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.drain_s
+        while self.drained is not None and not self.drained() and loop.time() < deadline:
+            await asyncio.sleep(self.period_s)
+        raise WorldBrokenError(f"NVSHMEM world {self.generation} lost ranks {dead} (box now at {gen})")
 
     async def stop(self) -> None:
         pass

@@ -1,7 +1,9 @@
 """A box's NVSHMEM world over its life, on a real Redis (services/executor/world.py,
 libs/dataplane/transport/bootstrap.py): it forms whole or not at all, one that cannot form falls back
 to CUDA IPC (here over the IPC transport's host backend: NVSHMEM itself needs GPUs), and when a PE
-dies every surviving PE's watch ends its executor after moving the box to the next generation, once.
+dies every survivor's watch moves the box to the next generation (once), switches its executor to CUDA
+IPC at once, and ends it only when its tensors in the world's arena are released (the switch itself:
+tests/unit/test_fallback_transport.py).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from services.executor.world import (
     next_generation,
     open_world,
 )
+from tests.support.waiting import until
 
 GPUS = ["0", "1", "2"]
 
@@ -106,14 +109,24 @@ def test_a_world_that_cannot_form_falls_back_to_cuda_ipc(client, common):
         open_world(lambda: 1 / 0, ipc, "world 6")
 
 
-async def test_when_a_pe_dies_the_survivors_end_and_the_box_moves_to_the_next_generation_once(aredis, common):
+async def test_when_a_pe_dies_the_survivors_fall_back_then_end_and_the_box_moves_to_the_next_generation_once(
+    aredis, common
+):
     ns = common.namespace
     assert await current_generation(aredis, ns, "box", floor=2) == 2  # nothing recorded: the setting
     leases = [GpuLease(aredis, ns, GPUS, owner=f"pe{r}", ttl_s=5.0, wait_s=0.0) for r in range(3)]
     for lease in leases:
         await lease.try_claim()
     assert [lease.gpu for lease in leases] == GPUS
-    watches = [WorldWatch(aredis, ns, "box", GPUS, generation=2, period_s=0.05) for _ in range(2)]
+    fell: list[int] = []
+    drained = [False]
+    watches = [
+        WorldWatch(
+            aredis, ns, "box", GPUS, generation=2, period_s=0.05,
+            fall_back=lambda i=i: fell.append(i), drained=lambda: drained[0],
+        )
+        for i in range(2)
+    ]  # fmt: skip
     for w in watches:
         await w.start()
     assert [await w.dead() for w in watches] == [[], []]
@@ -122,6 +135,12 @@ async def test_when_a_pe_dies_the_survivors_end_and_the_box_moves_to_the_next_ge
     assert not any(r.done() for r in runs)  # a whole world: nothing happens
 
     await leases[1].release()  # PE 1's executor is gone
+    assert await until(
+        lambda: sorted(fell) == [0, 1], within_s=5.0
+    )  # both survivors switch to CUDA IPC at once
+    await asyncio.sleep(0.3)
+    assert not any(r.done() for r in runs)  # and go on serving while the world's tensors are released
+    drained[0] = True
     for r in runs:
         with pytest.raises(WorldBrokenError, match=r"lost ranks \[1\]"):
             await asyncio.wait_for(r, 5.0)

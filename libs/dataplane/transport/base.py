@@ -137,6 +137,21 @@ class Transport(abc.ABC):
         """
         self.read(meta, self.arena.view(offset, meta.nbytes))
 
+    def for_put(self) -> Transport:
+        """The transport whose arena a new block goes to (outputs and pulled copies): this one; a
+        :class:`~libs.dataplane.transport.fallback.FallbackTransport` answers the one in use."""
+        return self
+
+    def pull(self, meta: TensorMeta, dest: Transport, offset: int) -> None:
+        """Pull ``meta`` into ``dest``'s arena at ``offset`` (``dest`` is what :meth:`for_put` gave)."""
+        if dest is not self:
+            raise ValueError(f"{self!r} cannot pull into another transport's arena ({dest!r})")
+        self.read_into(meta, offset)
+
+    def copies_for(self, meta: TensorMeta) -> int:
+        """Copies one pull of ``meta`` makes on our side (``copies_per_pull`` of the transport that reads it)."""
+        return self.copies_per_pull
+
     def close(self) -> None:
         """Stop serving and release the arena and peer connections; idempotent."""
         self.tags.close()

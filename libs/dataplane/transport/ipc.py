@@ -467,13 +467,24 @@ class CudaIpcTransport(ShmTransport):
     def read_into(self, meta: TensorMeta, offset: int) -> None:
         """One device-to-device copy from the peer's device arena into ours at ``offset``; the tag
         checked after it (StaleTensorError: the bytes must not be used)."""
+        self._check_kind(meta)
+        if meta.nbytes:
+            self.read_to(meta, self.arena.tensor(offset, meta.nbytes))  # bounds-checked
+
+    def _check_kind(self, meta: TensorMeta) -> None:
         if meta.transport != self.kind:
             raise BadTensorMetaError(
                 "transport", f"{meta.transport!r} tensor cannot be read by a {self.kind!r} transport"
             )
+
+    def read_to(self, meta: TensorMeta, dst: Any) -> None:
+        """:meth:`read_into` into any flat uint8 tensor of ``meta.nbytes`` on this device (another
+        transport's arena block: FallbackTransport)."""
+        self._check_kind(meta)
         if meta.nbytes == 0:
             return
-        dst = self.arena.tensor(offset, meta.nbytes)  # bounds-checked
+        if dst.numel() != meta.nbytes:
+            raise ValueError(f"destination holds {dst.numel()} bytes, tensor has {meta.nbytes}")
         mapping = self._mapping(meta.address)
         try:
             end = meta.offset + meta.nbytes

@@ -185,6 +185,18 @@ class NvshmemTransport(Transport):
         stream is synchronised), so the caller may hand the block to any stream. Then the
         tensor's tag is fetched from the peer and checked (StaleTensorError on a mismatch).
         """
+        if offset < 0 or offset + meta.nbytes > self.arena.capacity:
+            raise ValueError(f"destination [{offset}, {offset + meta.nbytes}) outside our arena")
+        self._get(meta, self.arena.base_ptr + offset)
+
+    def read_to(self, meta: TensorMeta, dst: Any) -> None:
+        """:meth:`read_into` into any flat uint8 CUDA tensor of ``meta.nbytes`` (another transport's
+        arena block, FallbackTransport: the destination of a get need not be symmetric)."""
+        if dst.numel() != meta.nbytes:
+            raise ValueError(f"destination holds {dst.numel()} bytes, tensor has {meta.nbytes}")
+        self._get(meta, int(dst.data_ptr()))
+
+    def _get(self, meta: TensorMeta, dst_ptr: int) -> None:
         self._check_kind(meta)
         pe = self._pe(meta)
         if meta.offset + meta.nbytes > self.arena.capacity:
@@ -192,8 +204,6 @@ class NvshmemTransport(Transport):
             raise TransportError(
                 meta.address, f"range [{meta.offset}, {meta.offset + meta.nbytes}) outside arena"
             )
-        if offset < 0 or offset + meta.nbytes > self.arena.capacity:
-            raise ValueError(f"destination [{offset}, {offset + meta.nbytes}) outside our arena")
         if meta.nbytes == 0:
             return
         torch = self._torch
@@ -202,7 +212,7 @@ class NvshmemTransport(Transport):
         try:
             # src is *our* address of the symmetric object; NVSHMEM translates it for PE `pe`.
             self._bindings.getmem_on_stream(
-                base + offset, base + meta.offset, meta.nbytes, pe, int(stream.cuda_stream)
+                dst_ptr, base + meta.offset, meta.nbytes, pe, int(stream.cuda_stream)
             )
         except Exception as exc:
             raise TransportError(meta.address, f"nvshmem getmem failed: {exc}") from exc
