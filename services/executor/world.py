@@ -152,7 +152,9 @@ class WorldWatch:
         )  # fmt: skip
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.drain_s
-        while self.drained is not None and not self.drained() and loop.time() < deadline:
+        while True:  # polled: the store has no event to wait on
+            if self.drained is None or self.drained() or loop.time() >= deadline:
+                break
             await asyncio.sleep(self.period_s)
         raise WorldBrokenError(f"NVSHMEM world {self.generation} lost ranks {dead} (box now at {gen})")
 
