@@ -163,13 +163,15 @@ def test_the_local_override_builds_on_local_images_pulls_nothing_and_runs_execut
 
 
 @pytest.mark.parametrize("overrides", [(), ("compose.local.yaml",)], ids=["gpu-box", "local"])
-def test_executors_share_the_shm_services_ipc_namespace_not_the_hosts(overrides):
+def test_executors_share_the_shm_services_ipc_and_pid_namespaces_not_the_hosts(overrides):
     """``down`` takes the host tier's and the arenas' segments with it: they live in the ``shm``
-    container's /dev/shm, which every executor of the box joins (one IPC namespace, as CUDA IPC
-    between them needs), never in the host's."""
+    container's /dev/shm, which every executor of the box joins, never in the host's. CUDA IPC
+    between the executors needs one IPC namespace (the exported handles' segments) and one PID
+    namespace; the transport is chosen by the device (``auto``: CUDA IPC on a GPU box)."""
     services = compose_config(*overrides)["services"]
-    assert all(svc.get("ipc") != "host" for svc in services.values())
-    assert services["executor"]["ipc"] == "service:shm"
+    assert all(svc.get("ipc") != "host" and svc.get("pid") != "host" for svc in services.values())
+    assert services["executor"]["ipc"] == "service:shm" == services["executor"]["pid"]
+    assert services["executor"]["environment"]["T2I_EXECUTOR_TRANSPORT"] == "auto"
     assert services["executor"]["depends_on"]["shm"]["condition"] == "service_started"
     shm = services["shm"]
     assert shm["ipc"] == "shareable" and shm["network_mode"] == "none" and not shm.get("volumes")
