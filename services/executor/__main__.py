@@ -215,6 +215,8 @@ async def build_real(stack: AsyncExitStack, cfg: ExecutorConfig) -> WithCompanio
     from services.executor.runtime import ModelCache, NodeRunner, parse_dtypes
 
     torch.set_num_threads(cfg.threads)
+    if cfg.device.startswith("cuda:"):  # every GPU visible (a device transport): ours is current
+        torch.cuda.set_device(torch.device(cfg.device))
     watch = None
     if kind == "nvshmem":
         transport, watch = await nvshmem_transport(stack, cfg, common, lease, executor_id)

@@ -414,7 +414,15 @@ class NodeRunner:
         self.device = torch.device(device)
         self.callbacks = callbacks or CallbackBox()
         self.callback_timeout_s = callback_timeout_s
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="node")
+        # The CUDA runtime's current device is per thread: the node thread's is ours (a device
+        # transport keeps every GPU visible and names ours ``cuda:<index>``).
+        self._pool = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="node", initializer=self._bind_device
+        )
+
+    def _bind_device(self) -> None:
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)
 
     async def run(self, d: Dispatch, blobs: dict[str, bytes] | None = None) -> NodeOutcome:
         # In the caller's context: the node thread's log lines carry the request id it bound.

@@ -139,6 +139,11 @@ def test_apply_points_cuda_at_the_claimed_gpu_only():
     assert x.apply("cpu", cpu_env) == "cpu" and cpu_env == {}  # a stand-in keeps its device
     with pytest.raises(GpuLeaseError, match="cuda"):
         x.apply("mps", env)
+    # A device transport (CUDA IPC, NVSHMEM) keeps every GPU visible, for the peers' memory: the
+    # executor then names its own by index.
+    wide: dict[str, str] = {}
+    assert x.apply("cuda", wide, narrow=False) == "cuda:2" and wide == {}
+    assert x.apply("cpu", wide, narrow=False) == "cpu"
 
 
 async def test_cpu_executors_standing_in_for_gpus_each_hold_a_lease_and_report_it(
