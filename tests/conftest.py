@@ -104,6 +104,15 @@ def tiny_models(tmp_path_factory) -> Path:
 
 
 @pytest.fixture
+def loader():
+    """A loader with no host tier (checkpoints read from disk), closed after the test."""
+    from libs.dataplane.loader import Loader
+
+    with Loader() as loader:
+        yield loader
+
+
+@pytest.fixture
 def one_torch_thread():
     """Pin torch to one thread for a test (the thread count changes the bits of CPU kernels)."""
     import torch

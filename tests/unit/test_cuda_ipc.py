@@ -65,6 +65,10 @@ def test_a_peer_pulls_with_one_copy_and_a_released_or_reused_block_is_refused(pa
         assert torch.equal(lease.tensor, x)
         assert b.arena.memory.data_ptr() <= lease.tensor.data_ptr() < b.arena.memory.data_ptr() + CAP
     assert b.peers == [a.address]  # the export was read once and is kept
+    host = bytearray(meta.nbytes)  # a pull into host memory, staged through our device arena
+    b.read(meta, memoryview(host))
+    assert torch.equal(torch.frombuffer(host, dtype=torch.float32).view(64, 64), x)
+    assert b.arena.stats()["used"] == 0
 
     sa.release("x")
     with pytest.raises(StaleTensorError, match="released"):

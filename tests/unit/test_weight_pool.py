@@ -9,7 +9,6 @@ them from CUDA's peak-allocated counter."""
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,6 @@ from libs.dataplane.loader import Loader
 from libs.dataplane.store import TensorStore
 from libs.dataplane.transport import TcpTransport
 from libs.dataplane.weights import DEVICE
-from libs.models import tiny_flux
 from libs.protocol.ids import ModelKey, NodeRef
 from libs.protocol.messages import ConstInput, Dispatch, OutputPlan, TensorInput
 from services.executor.runtime import ModelCache, NodeRunner
@@ -33,16 +31,8 @@ KEYS = (T, VAE, CLIP)
 
 
 @pytest.fixture(scope="module")
-def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("pool")
-    tiny_flux.build(out)
-    return out
-
-
-@pytest.fixture
-def loader() -> Iterator[Loader]:
-    with Loader() as loader:
-        yield loader
+def root(tiny_models: Path) -> Path:
+    return tiny_models
 
 
 @pytest.fixture(scope="module")

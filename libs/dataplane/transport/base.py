@@ -98,6 +98,21 @@ def copy_bytes(
     )
 
 
+def read_staged(transport: Transport, meta: TensorMeta, out: memoryview) -> None:
+    """A device transport's pull into host memory ``out`` (checked, exactly ``meta.nbytes``): into a
+    staging block of its device arena, then one device-to-host copy."""
+    import torch
+
+    if meta.nbytes == 0:
+        return
+    staging = transport.arena.allocate(meta.nbytes)
+    try:
+        transport.read_into(meta, staging)
+        torch.frombuffer(out, dtype=torch.uint8).copy_(transport.arena.tensor(staging, meta.nbytes))  # type: ignore[attr-defined]
+    finally:
+        transport.arena.free(staging)
+
+
 class Transport(abc.ABC):
     """Owns the local arena and reads peers' arenas.
 

@@ -49,6 +49,7 @@ from typing import Any
 
 from libs.dataplane.arena import Segment, TensorArena, unlink_segment
 from libs.dataplane.errors import DataPlaneError, TransportError
+from libs.dataplane.transport.base import read_staged
 from libs.dataplane.transport.shm import ShmTransport, _Peer
 from libs.dataplane.transport.tags import TAG, check_tag, expected_tag, stale
 from libs.protocol.errors import BadTensorMetaError
@@ -510,17 +511,7 @@ class CudaIpcTransport(ShmTransport):
 
     def read(self, meta: TensorMeta, dst: memoryview) -> None:
         """Pull into host memory: into a staging block of our device arena, then to ``dst``."""
-        import torch
-
-        out = self._check(meta, dst)
-        if meta.nbytes == 0:
-            return
-        staging = self.arena.allocate(meta.nbytes)
-        try:
-            self.read_into(meta, staging)
-            torch.frombuffer(out, dtype=torch.uint8).copy_(self.arena.tensor(staging, meta.nbytes))
-        finally:
-            self.arena.free(staging)
+        read_staged(self, meta, self._check(meta, dst))
 
     def close(self) -> None:
         with self._map_lock:

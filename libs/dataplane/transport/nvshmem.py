@@ -30,7 +30,7 @@ from typing import Any
 
 from libs.dataplane.arena import TensorArena
 from libs.dataplane.errors import DataPlaneError, TransportError
-from libs.dataplane.transport.base import Transport
+from libs.dataplane.transport.base import Transport, read_staged
 from libs.dataplane.transport.tags import TAG, TagTable, check_tag, expected_tag, slots_for, stale
 from libs.protocol.tensor_meta import TensorMeta
 
@@ -244,16 +244,7 @@ class NvshmemTransport(Transport):
 
     def read(self, meta: TensorMeta, dst: memoryview) -> None:
         """Pull into host memory: get into a staging block of our arena, then copy device-to-host."""
-        out = self._check(meta, dst)
-        if meta.nbytes == 0:
-            return
-        staging = self.arena.allocate(meta.nbytes)
-        try:
-            self.read_into(meta, staging)
-            host = self._torch.frombuffer(out, dtype=self._torch.uint8)
-            host.copy_(self.arena.tensor(staging, meta.nbytes))
-        finally:
-            self.arena.free(staging)
+        read_staged(self, meta, self._check(meta, dst))
 
     def _check_kind(self, meta: TensorMeta) -> None:
         if meta.transport != self.kind:
