@@ -80,8 +80,12 @@ build_python() {
         say "$PYTHON_IMAGE exists"
         return
     fi
-    command -v debootstrap >/dev/null || die "debootstrap not found (apt-get install -y debootstrap)"
     [ "$(id -u)" = 0 ] || die "debootstrap needs root"
+    if ! command -v debootstrap >/dev/null; then  # as dockerd.sh installs docker.io: from Debian's packages
+        say "installing debootstrap from Debian's packages"
+        apt-get install -y -q debootstrap >&2 || { apt-get update -q >&2 && apt-get install -y -q debootstrap >&2; } \
+            || die "debootstrap not found and could not be installed (apt-get install -y debootstrap)"
+    fi
     local ca mirror work rootfs
     ca="${T2I_CA_BUNDLE:-$(pip_setting cert)}"
     ca="${ca:-/etc/ssl/certs/ca-certificates.crt}"

@@ -152,7 +152,11 @@ def redis_rules(ns: str, role: str) -> list[str] | None:
         ]
     elif role == "executor":  # the GPU lease only: SET NX PX, and its compare-and-act scripts
         keys = [f"~{ns}:gpu:*"]
-        cmds = ["+set", "+get", "+pexpire", "+del", *_REDIS_SCRIPTS]
+        # MGET: a world's watch reads its ranks' leases at once (services/executor/world.py).
+        cmds = ["+set", "+get", "+mget", "+pexpire", "+del", *_REDIS_SCRIPTS]
+        # An NVSHMEM world's join gate is a hash (libs/dataplane/transport/bootstrap.py): a selector,
+        # so the hash commands reach the worlds' keys only.
+        extra = [f"(~{ns}:gpu:*:nvshmem:* +hget +hset +hincrby +pexpire)"]
     elif role == ADMIN:
         return None
     else:

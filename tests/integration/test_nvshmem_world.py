@@ -161,3 +161,38 @@ async def test_when_a_pe_dies_the_survivors_fall_back_then_end_and_the_box_moves
     await replacement.release()
     with pytest.raises(WorldBrokenError, match="hold no GPU lease"):
         await WorldWatch(aredis, ns, "box", GPUS, generation=3).start()
+
+
+async def test_the_executors_redis_user_may_do_all_of_it_and_nothing_outside_its_keys(common, aredis):
+    """What compose's Redis ACL gives the executor role (libs/launcher/creds.py) is enough for the
+    gate, the generation and the watch, on the real server."""
+    from libs.launcher.creds import redis_rules
+
+    ns = common.namespace
+    user, password = f"{ns}-executor-acl", uuid.uuid4().hex
+    await aredis.execute_command(
+        "ACL", "SETUSER", user, "reset", "on", f">{password}", *redis_rules(ns, "executor")
+    )
+    host_url = common.redis_url.split("://", 1)[1]
+    sync = redis_sync.Redis.from_url(f"redis://{user}:{password}@{host_url}")
+    limited = Redis.from_url(f"redis://{user}:{password}@{host_url}")
+    try:
+        uid = os.urandom(UID_BYTES)
+        got = _ranks(sync, world_key(ns, "box", 0), 2, uid, [1], 10.0)
+        assert got == {0: uid, 1: uid}
+        leases = [GpuLease(limited, ns, GPUS[:2], owner=f"pe{r}", ttl_s=5.0, wait_s=0.0) for r in range(2)]
+        for lease in leases:
+            await lease.try_claim()
+        watch = WorldWatch(limited, ns, "box", GPUS[:2], generation=0)
+        await watch.start()
+        assert await watch.dead() == []
+        assert await next_generation(limited, ns, "box", seen=0) == 1
+        assert await current_generation(limited, ns, "box") == 1
+        for lease in leases:
+            await lease.release()
+        with pytest.raises(redis_sync.exceptions.NoPermissionError):
+            sync.hset(f"{ns}:req:x", "a", "b")  # a key outside the executor's
+    finally:
+        sync.close()
+        await limited.aclose()
+        await aredis.execute_command("ACL", "DELUSER", user)

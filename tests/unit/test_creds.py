@@ -83,8 +83,14 @@ def test_executors_publish_their_own_events_and_peers_releases_only():
 
 def test_executors_reach_only_gpu_leases_and_every_redis_user_stays_in_its_namespace():
     executor = redis_rules("t2i", "executor")
-    assert executor is not None and [r for r in executor if "~" in r] == ["~t2i:gpu:*"]
+    assert executor is not None and [r for r in executor if "~" in r and not r.startswith("(")] == [
+        "~t2i:gpu:*"
+    ]
     assert "+hset" not in executor and "+set" in executor
+    # Hash commands only on the NVSHMEM worlds' keys (their join gate), inside the leases' prefix.
+    assert [r for r in executor if r.startswith("(")] == [
+        "(~t2i:gpu:*:nvshmem:* +hget +hset +hincrby +pexpire)"
+    ]
     creds = Credentials.generate("t2i", {"executor-0": ["t2i-executor-0"]})
     assert set(creds.redis) == {"gateway", "registry", "scheduler", "executor"}
     assert creds.nats_user("executor-0").executor_ids == ("t2i-executor-0",)
