@@ -38,6 +38,7 @@ from redis.asyncio import Redis
 
 from libs.common.redis_conn import DELETE_IF_HELD, RENEW_IF_HELD
 from libs.errors import T2IError
+from libs.protocol.keys import Keys
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ class GpuLeaseError(T2IError):
 
 
 def lease_key(namespace: str, scope: str, gpu: str) -> str:
-    return f"{namespace}:gpu:{scope}:{gpu}"
+    return Keys(namespace).gpu_lease(scope, gpu)
 
 
 def visible_gpus(setting: str = "", env: Mapping[str, str] | None = None) -> list[str]:

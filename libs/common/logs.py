@@ -27,6 +27,8 @@ from contextlib import contextmanager
 
 import structlog
 
+from libs.protocol.ids import generation_of
+
 __all__ = [
     "REQUEST_ID_HEADER",
     "bind_request",
@@ -110,7 +112,7 @@ def setup_logging(service: str, level: str = "INFO") -> logging.Logger:
 
 def _ids(request_id: str) -> dict[str, str]:
     # An image request id is ``{call}-{i}``; a call id (the gateway's) has no dash: it is its own call.
-    call = request_id.rpartition("-")[0] or request_id
+    call = generation_of(request_id)
     return {REQUEST_ID: request_id, "call_id": call}
 
 

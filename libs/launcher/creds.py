@@ -66,13 +66,13 @@ def nats_permissions(ns: str, role: str, user: str, executor_ids: Sequence[str] 
     ]
     if role == "gateway":
         return {
-            "publish": {"allow": [s.intake, s.cancels, f"{ns}.registry.*", intake_info, *images]},
+            "publish": {"allow": [s.intake, s.cancels, s.registry_all, intake_info, *images]},
             "subscribe": {"allow": [s.result("*"), inbox]},
         }
     if role == "registry":  # answers requests (allow_responses), publishes nothing else
         return {
             "publish": {"deny": [">"]},
-            "subscribe": {"allow": [f"{ns}.registry.* registry"]},
+            "subscribe": {"allow": [f"{s.registry_all} registry"]},
             "allow_responses": True,
         }
     if role == "scheduler":
@@ -125,7 +125,7 @@ def redis_rules(ns: str, role: str) -> list[str] | None:
         # Cancels (services/gateway/bridge.py: flag, then tell the scheduler) and the progress
         # streams it relays, read only.
         extra = [
-            f"(~{ns}:gw:* +get +mget +set +del +expire +@sortedset)",
+            f"(~{k.gateway_pattern} +get +mget +set +del +expire +@sortedset)",
             f"(~{k.cancels} +zadd +expire)",
             f"(%R~{k.events('*')} +xread +xrange +xrevrange +xlen)",
         ]
@@ -151,12 +151,12 @@ def redis_rules(ns: str, role: str) -> list[str] | None:
             f"(~{k.cancels} +zrangebyscore +zrem +zremrangebyscore)",
         ]
     elif role == "executor":  # the GPU lease only: SET NX PX, and its compare-and-act scripts
-        keys = [f"~{ns}:gpu:*"]
+        keys = [f"~{k.gpu_pattern}"]
         # MGET: a world's watch reads its ranks' leases at once (services/executor/world.py).
         cmds = ["+set", "+get", "+mget", "+pexpire", "+del", *_REDIS_SCRIPTS]
         # An NVSHMEM world's join gate is a hash (libs/dataplane/transport/bootstrap.py): a selector,
         # so the hash commands reach the worlds' keys only.
-        extra = [f"(~{ns}:gpu:*:nvshmem:* +hget +hset +hincrby +pexpire)"]
+        extra = [f"(~{k.nvshmem_pattern} +hget +hset +hincrby +pexpire)"]
     elif role == ADMIN:
         return None
     else:

@@ -20,6 +20,9 @@ from __future__ import annotations
 
 import msgspec
 
+from libs.protocol.keys import Keys
+from libs.protocol.subjects import Subjects
+
 #: Bounds on what one advertisement may carry (the registry refuses more).
 MAX_FNS = 512
 MAX_SIGNATURE_BYTES = 16 << 10
@@ -44,11 +47,11 @@ class StoredAdvert(msgspec.Struct):
 
 
 def advertise_subject(ns: str) -> str:
-    return f"{ns}.registry.advertise"
+    return Subjects(ns).registry_advertise
 
 
 def adverts_key(ns: str) -> str:
-    return f"{ns}:modelfns:advertised"
+    return Keys(ns).modelfns_advertised
 
 
 advert_decoder = msgspec.json.Decoder(ModelFnAdvert)

@@ -176,3 +176,30 @@ def image_object(request_id: str, name: str) -> str:
     """The images-bucket object name of workflow output ``name`` of a request."""
     _check_part("request id", request_id, "/")
     return f"{request_id}/{name}.png"
+
+
+# -- formats that are not a class of their own -----------------------------------------------------
+
+
+def image_request_id(generation_id: str, index: int) -> str:
+    """The request id of image ``index`` of a call (``{generation_id}-{index}``): one request each."""
+    return f"{generation_id}-{index}"
+
+
+def generation_of(request_id: str) -> str:
+    """The call an image request belongs to (inverse of :func:`image_request_id`); a request id
+    without an index is its own call."""
+    return request_id.rpartition("-")[0] or request_id
+
+
+def loop_suffix(outer: str, index: int) -> str:
+    """The suffix of a node id unrolled at iteration ``index`` inside ``outer`` (``""`` at the top):
+    ``x@3`` for step 3 of a top-level loop, ``x@3.1`` for iteration 1 of a loop inside it."""
+    return f"{outer}.{index}" if outer else f"@{index}"
+
+
+def split_node_id(node_id: str) -> tuple[str, tuple[str, ...]]:
+    """``"x@3.1"`` -> ``("x", ("3", "1"))``: the op id and its loop indices, outermost first
+    (``()`` for a node outside every loop)."""
+    base, at, suffix = node_id.partition("@")
+    return base, tuple(suffix.split(".")) if at else ()

@@ -20,10 +20,23 @@
 | ``{ns}:gw:limits:{tenant}`` | string | JSON per-tenant overrides of the gateway's limits (``queued``, ``gpu_s``), set by an admin |
 | ``{ns}:scheduler:lease`` | string | the leading scheduler's holder id, with a TTL (``services/scheduler/lease.py``) |
 | ``{ns}:scheduler:epoch`` | string | the fencing token: incremented by every acquisition of the lease |
+| ``{ns}:gw:gen:{generation_id}`` | string | the gateway's record of one call (``services/gateway/records.py``) |
+| ``{ns}:gw:res:{request_id}`` | string | an image request's result, kept for the call's lifetime |
+| ``{ns}:gw:recent[:{tenant}]`` | sorted set | recent calls of a tenant (of all tenants without one) |
+| ``{ns}:gw:idem:{tenant}:{sha256}`` | string | an idempotency key (hashed) -> the call it made |
+| ``{ns}:gw:model:{name}`` | string | the tenant that owns a workflow registered through the gateway |
+| ``{ns}:modelfns:advertised`` | hash | ModelFn name -> the signatures executors advertise, with an expiry |
+| ``{ns}:gpu:{scope}:{gpu}`` | string | the GPU lease of one GPU of a box (``libs/common/gpu_lease.py``) |
+| ``{ns}:gpu:{scope}:nvshmem:generation`` | string | the box's current NVSHMEM world generation (``services/executor/world.py``) |
+| ``{ns}:gpu:{scope}:nvshmem:{generation}`` | string | rank 0's unique id of that world (``libs/dataplane/transport/bootstrap.py``) |
+| ``{ns}:gpu:{scope}:nvshmem:{generation}:gate`` | hash | that world's join gate: ``joined`` count, ``closed`` flag |
+
+ACL key patterns (``libs/launcher/creds.py``) are built here too (``*_pattern``).
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 
@@ -102,6 +115,57 @@ class Keys:
     @property
     def scheduler_epoch(self) -> str:
         return f"{self.ns}:scheduler:epoch"
+
+    # -- the gateway's own records --------------------------------------------------------------
+    @property
+    def gateway_pattern(self) -> str:
+        """Every key of the gateway's own records (an ACL key pattern)."""
+        return f"{self.ns}:gw:*"
+
+    def generation(self, generation_id: str) -> str:
+        return f"{self.ns}:gw:gen:{generation_id}"
+
+    def result(self, request_id: str) -> str:
+        return f"{self.ns}:gw:res:{request_id}"
+
+    def recent(self, tenant: str | None) -> str:
+        """Recent calls of ``tenant``; of every tenant for None."""
+        return f"{self.ns}:gw:recent" if tenant is None else f"{self.ns}:gw:recent:{tenant}"
+
+    def idempotency(self, tenant: str, key: str) -> str:
+        # The client's key is hashed: any bytes it sends stay out of the key space.
+        return f"{self.ns}:gw:idem:{tenant}:{hashlib.sha256(key.encode()).hexdigest()}"
+
+    def workflow_owner(self, name: str) -> str:
+        return f"{self.ns}:gw:model:{name}"
+
+    # -- the registry's ModelFn advertisements ---------------------------------------------------
+    @property
+    def modelfns_advertised(self) -> str:
+        return f"{self.ns}:modelfns:advertised"
+
+    # -- a box's GPUs ----------------------------------------------------------------------------
+    @property
+    def gpu_pattern(self) -> str:
+        """Every GPU lease and NVSHMEM world key (the executors' ACL key pattern)."""
+        return f"{self.ns}:gpu:*"
+
+    def gpu_lease(self, scope: str, gpu: str) -> str:
+        return f"{self.ns}:gpu:{scope}:{gpu}"
+
+    @property
+    def nvshmem_pattern(self) -> str:
+        """Every box's NVSHMEM world keys (an ACL key pattern)."""
+        return f"{self.ns}:gpu:*:nvshmem:*"
+
+    def nvshmem_generation(self, scope: str) -> str:
+        return f"{self.ns}:gpu:{scope}:nvshmem:generation"
+
+    def nvshmem_world(self, scope: str, generation: int) -> str:
+        return f"{self.ns}:gpu:{scope}:nvshmem:{generation}"
+
+    def nvshmem_gate(self, scope: str, generation: int) -> str:
+        return f"{self.nvshmem_world(scope, generation)}:gate"
 
     def pattern(self) -> str:
         """Matches every key of this namespace (tests delete them with it)."""

@@ -47,6 +47,16 @@ class Subjects:
             raise ValueError(f"unknown registry operation {op!r}; one of {REGISTRY_OPS}")
         return f"{self.ns}.registry.{op}"
 
+    @property
+    def registry_all(self) -> str:
+        """Every registry subject (a permission pattern)."""
+        return f"{self.ns}.registry.*"
+
+    @property
+    def registry_advertise(self) -> str:
+        """Where executors advertise their ModelFns (``libs/protocol/adverts.py``)."""
+        return f"{self.ns}.registry.advertise"
+
     def executor(self, executor_id: str) -> str:
         return f"{self.ns}.exec.{executor_id}"
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from libs.protocol.ids import loop_suffix
 from libs.workflow.errors import ParamError
 from libs.workflow.spec import REF_PARAM, REF_VAR, LoopSpec, NodeSpec, Op, Scalar, WorkflowSpec
 
@@ -170,7 +171,7 @@ def unroll(
         carried = {name: resolve(ref, env, names) for name, ref in op.carry.items()}
         for i in range(count):
             inner_env = {**env, op.index: Const(i), **carried}
-            inner_suffix = f"{suffix}.{i}" if suffix else f"@{i}"
+            inner_suffix = loop_suffix(suffix, i)
             inner_names = run(op.body, inner_env, inner_suffix, names)
             carried = {name: resolve(ref, inner_env, inner_names) for name, ref in op.update.items()}
         return carried

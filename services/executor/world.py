@@ -37,6 +37,7 @@ from typing import Any
 
 from libs.common.gpu_lease import lease_key
 from libs.errors import T2IError
+from libs.protocol.keys import Keys
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ class WorldBrokenError(T2IError):
 
 def generation_key(namespace: str, scope: str) -> str:
     """The box's current NVSHMEM world generation (under ``{ns}:gpu:``, the executors' Redis prefix)."""
-    return f"{namespace}:gpu:{scope}:nvshmem:generation"
+    return Keys(namespace).nvshmem_generation(scope)
 
 
 async def current_generation(redis: Any, namespace: str, scope: str, floor: int = 0) -> int:

@@ -40,7 +40,7 @@ from libs.protocol.messages import (
     result_decoder,
 )
 from libs.protocol.subjects import Subjects
-from services.gateway.records import RESULT_TTL_S, GatewayKeys
+from services.gateway.records import RESULT_TTL_S
 from services.gateway.results import STATUS, ImageState, decode_checked, result_problem
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,6 @@ class Bridge:
         self.redis = redis
         self.subjects = subjects
         self.keys = keys
-        self.own_keys = GatewayKeys(keys.ns)
         self.registry = RegistryClient(nc, subjects)
         self.images: ObjectStore | None = None
         self._waiters: dict[str, set[asyncio.Future[RequestResult]]] = {}
@@ -175,7 +174,7 @@ class Bridge:
             return
         pipe = self.redis.pipeline(transaction=False)
         for r in results:
-            pipe.set(self.own_keys.result(r.request_id), encode(r), ex=RESULT_TTL_S)
+            pipe.set(self.keys.result(r.request_id), encode(r), ex=RESULT_TTL_S)
         try:
             await pipe.execute()
         except RedisError as e:  # the call is answered anyway; a lookup by id finds the scheduler's copy
@@ -184,7 +183,7 @@ class Bridge:
     async def stored_result(self, request_id: str) -> RequestResult | None:
         """The result kept by the gateway, else by the scheduler (``{ns}:req:{id}``), checked."""
         pipe = self.redis.pipeline(transaction=False)
-        pipe.get(self.own_keys.result(request_id))
+        pipe.get(self.keys.result(request_id))
         pipe.hget(self.keys.request(request_id), "result")
         for raw in await pipe.execute():
             if not raw:
@@ -199,7 +198,7 @@ class Bridge:
         """Each request's state from Redis (a request not there yet counts as queued)."""
         pipe = self.redis.pipeline(transaction=False)
         for rid in request_ids:
-            pipe.get(self.own_keys.result(rid))
+            pipe.get(self.keys.result(rid))
             pipe.hmget(self.keys.request(rid), "status", "result")
         replies = await pipe.execute()
         out = []

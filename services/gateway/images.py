@@ -33,7 +33,7 @@ from aiohttp import web
 
 from libs.common.logs import bind_request
 from libs.common.registry_client import WorkflowNotFound
-from libs.protocol.ids import image_object
+from libs.protocol.ids import generation_of, image_object
 from libs.protocol.messages import ImageRef, ImageRequest, RequestResult, encode
 from libs.workflow.spec import WorkflowSpec
 from libs.workflow.validate import WORKFLOW_NAME
@@ -380,7 +380,7 @@ async def image_file(request: web.Request) -> web.Response:
         raise ApiError(404, f"image {rid[:64]}/{name[:64]} has expired or does not exist", code="not_found")
     compression = DEFAULT_COMPRESSION
     if fmt != "png":  # as the call asked, when it asked for this format
-        rec = await request.app[RECORDS].load(rid.rpartition("-")[0])
+        rec = await request.app[RECORDS].load(generation_of(rid))
         if rec is not None and rec.output_format == fmt:
             compression = rec.output_compression
     body = await transcode(png, fmt, compression, request.app[DECODE_SLOTS])

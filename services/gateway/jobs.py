@@ -377,7 +377,7 @@ async def admin_executors(request: web.Request) -> web.Response:
     if not request[PRINCIPAL].admin:
         raise ApiError(403, "the executor view needs an admin API key", code="forbidden")
     bridge = request.app[BRIDGE]
-    key = getattr(bridge.keys, "executors_view", f"{bridge.keys.ns}:executors")
+    key = bridge.keys.executors_view
     view = await bridge.redis.hgetall(key)
     data = []
     for raw_id, raw in sorted(view.items()):

@@ -24,6 +24,7 @@ import msgspec
 from aiohttp import web
 from redis.exceptions import RedisError
 
+from libs.protocol.keys import Keys
 from libs.protocol.messages import WorkflowSummary
 from services.gateway.context import BRIDGE, COMMON
 from services.gateway.images import lookup_workflow
@@ -55,7 +56,7 @@ class ModelList(msgspec.Struct):
 
 
 def _key(app: web.Application, name: str) -> str:
-    return f"{app[COMMON].namespace}:gw:model:{name}"
+    return Keys(app[COMMON].namespace).workflow_owner(name)
 
 
 async def remember(app: web.Application, name: str, owner: str) -> None:

@@ -26,35 +26,18 @@ from __future__ import annotations
 
 import hashlib
 import time
-from dataclasses import dataclass
 
 import msgspec
 from redis.asyncio import Redis
+
+from libs.protocol.ids import image_request_id
+from libs.protocol.keys import Keys
 
 RECORD_TTL_S = 86400  # as long as the scheduler keeps the requests' state
 IDEMPOTENCY_TTL_S = 86400
 RESULT_TTL_S = 3600  # as long as the images are kept; the scheduler's copy lasts 24 h
 RECENT_PER_TENANT = 1000  # calls listed by GET /v1/requests, per tenant
 RECENT_ALL = 5000  # and over all tenants (admins)
-
-
-@dataclass(frozen=True)
-class GatewayKeys:
-    ns: str
-
-    def generation(self, generation_id: str) -> str:
-        return f"{self.ns}:gw:gen:{generation_id}"
-
-    def result(self, request_id: str) -> str:
-        return f"{self.ns}:gw:res:{request_id}"
-
-    def recent(self, tenant: str | None) -> str:
-        """Recent calls of ``tenant``; of every tenant for None."""
-        return f"{self.ns}:gw:recent" if tenant is None else f"{self.ns}:gw:recent:{tenant}"
-
-    def idempotency(self, tenant: str, key: str) -> str:
-        # The client's key is hashed: any bytes it sends stay out of the key space.
-        return f"{self.ns}:gw:idem:{tenant}:{hashlib.sha256(key.encode()).hexdigest()}"
 
 
 class GenerationRecord(msgspec.Struct, omit_defaults=True):
@@ -87,7 +70,7 @@ class IdempotencyRecord(msgspec.Struct):
 
 def request_ids(generation_id: str, n: int) -> list[str]:
     """The image request ids of a generation call (``{generation_id}-{i}``)."""
-    return [f"{generation_id}-{i}" for i in range(n)]
+    return [image_request_id(generation_id, i) for i in range(n)]
 
 
 def fingerprint(body: object) -> str:
@@ -97,7 +80,7 @@ def fingerprint(body: object) -> str:
 class Records:
     def __init__(self, redis: Redis, ns: str) -> None:
         self.redis = redis
-        self.keys = GatewayKeys(ns)
+        self.keys = Keys(ns)
 
     async def save(self, rec: GenerationRecord) -> None:
         """Keep the call, and list it among its tenant's (and everyone's) recent calls."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from libs.protocol.ids import split_node_id
 from libs.protocol.messages import NodeComplete, RequestResult
 from libs.workflow.dag import Dag
 from services.scheduler.effects import AppendEvent
@@ -36,9 +37,9 @@ def step_units(dag: Dag) -> tuple[dict[str, StepKey], dict[StepKey, int]]:
     indices: dict[str, set[str]] = {}  # op id -> the top-level indices it was unrolled at
     split: dict[str, tuple[str, str]] = {}
     for nid in dag.nodes:
-        base, at, suffix = nid.partition("@")
-        if at:
-            idx = suffix.split(".", 1)[0]
+        base, loops = split_node_id(nid)
+        if loops:
+            idx = loops[0]
             split[nid] = (base, idx)
             indices.setdefault(base, set()).add(idx)
     step_of = {nid: (len(indices[base]), idx) for nid, (base, idx) in split.items()}

@@ -77,3 +77,14 @@ def test_a_malformed_identifier_is_refused_with_its_text_in_the_message(decode, 
 def test_an_image_object_refuses_a_request_id_that_would_change_its_folder():
     with pytest.raises(ValueError, match="request id"):
         image_object("../other", "image")
+
+
+def test_image_request_ids_and_loop_suffixes_are_built_and_parsed_in_one_place():
+    from libs.protocol.ids import generation_of, image_request_id, loop_suffix, split_node_id
+
+    rid = image_request_id("3f2a-call", 4)
+    assert rid == "3f2a-call-4" and generation_of(rid) == "3f2a-call"
+    assert generation_of("lonely") == "lonely"
+    node = "transformer" + loop_suffix(loop_suffix("", 3), 1)
+    assert node == "transformer@3.1" and split_node_id(node) == ("transformer", ("3", "1"))
+    assert split_node_id("vae") == ("vae", ())

@@ -18,6 +18,7 @@ from typing import Any
 
 from libs.dataplane.errors import DataPlaneError
 from libs.dataplane.transport.nvshmem import UidExchange
+from libs.protocol.keys import Keys
 
 UID_BYTES = 128  # nvshmemx_uniqueid_t
 
@@ -25,7 +26,7 @@ UID_BYTES = 128  # nvshmemx_uniqueid_t
 def world_key(namespace: str, scope: str, generation: int) -> str:
     """The Redis key of a box's NVSHMEM world id: under ``{ns}:gpu:`` (the executors' Redis user
     reaches that prefix only, as for the GPU lease), one per box scope and world generation."""
-    return f"{namespace}:gpu:{scope}:nvshmem:{generation}"
+    return Keys(namespace).nvshmem_world(scope, generation)
 
 
 #: A joiner passes the gate (counted) unless rank 0 closed it: KEYS[1] the gate. Returns 1 or 0.
@@ -43,6 +44,15 @@ redis.call('HSET', KEYS[1], 'closed', 1)
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return 0
 """
+
+
+def gate_key(world: str) -> str:
+    """The join gate of the world whose id is under ``world`` (:func:`world_key`)."""
+    ns, _, rest = world.partition(":gpu:")
+    scope, _, generation = rest.rpartition(":nvshmem:")
+    if not (ns and scope and generation.isdigit()):
+        raise ValueError(f"{world!r} is not an NVSHMEM world key")
+    return Keys(ns).nvshmem_gate(scope, int(generation))
 
 
 def redis_uid_exchange(
@@ -66,7 +76,7 @@ def redis_uid_exchange(
     services/executor/world.py). The gate is one atomic script either side, so there is no moment
     at which a rank passes and rank 0 gives up.
     """
-    gate = f"{key}:gate"
+    gate = gate_key(key)
     ttl_ms = int(ttl_s * 1000)
 
     def publish(uid: bytes) -> bytes:
