@@ -32,11 +32,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from libs.dataplane.store import TensorStore  # noqa: E402
-from libs.dataplane.transport import ShmTransport, TcpTransport, Transport  # noqa: E402
-from libs.protocol.tensor_meta import decode_meta, encode_meta  # noqa: E402
+from libs.dataplane.store import TensorStore
+from libs.dataplane.transport import ShmTransport, TcpTransport, Transport
+from libs.protocol.tensor_meta import decode_meta, encode_meta
 
 MIB = 1 << 20
 

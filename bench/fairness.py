@@ -28,12 +28,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import REPO, client_session, generate, local_brokers, register, running, sim_stack  # noqa: E402
-from redis.asyncio import Redis  # noqa: E402
+from common import REPO, client_session, generate, local_brokers, register, running, sim_stack
+from redis.asyncio import Redis
 
-from libs.protocol.keys import Keys  # noqa: E402
-from libs.sim.profile import load_profile  # noqa: E402
-from libs.sim.workflows import flux1_dev_like, sd3_medium_like  # noqa: E402
+from libs.protocol.keys import Keys
+from libs.sim.profile import load_profile
+from libs.sim.workflows import flux1_dev_like, sd3_medium_like
 
 TENANTS = {"sd3": "sd3-medium-like", "flux": "flux1-dev-like"}
 FAMILY = {"sd3": "sd3-medium", "flux": "flux1-dev"}

@@ -42,7 +42,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import REPO, UNLIMITED_GATEWAY, bus_events, local_brokers, register, running  # noqa: E402
+from bench.common import REPO, UNLIMITED_GATEWAY, bus_events, local_brokers, register, running
 
 REPO_ID = "bench/sd15-realsize"
 KEY = "sk-realsize"

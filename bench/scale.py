@@ -84,7 +84,7 @@ def loop_lag(stack: Stack) -> dict:
     urls = re.findall(r"scheduler metrics on (http://\S+?/metrics)", log_text)
     if not urls:
         return {}
-    with urllib.request.urlopen(urls[-1], timeout=10) as r:  # noqa: S310 - our own 127.0.0.1 endpoint
+    with urllib.request.urlopen(urls[-1], timeout=10) as r:
         text = r.read().decode()
     buckets: list[tuple[float, float]] = []
     worst = count = full_gcs = 0.0

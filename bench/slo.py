@@ -35,12 +35,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import REPO, bus_events, client_session, generate, local_brokers, register, running, sim_stack  # noqa: E402
+from common import REPO, bus_events, client_session, generate, local_brokers, register, running, sim_stack
 
-from libs.protocol.messages import ExecutorHeartbeat, NodeComplete  # noqa: E402
-from libs.sim import trace as tracegen  # noqa: E402
-from libs.sim.profile import load_profile  # noqa: E402
-from libs.sim.settings import PROFILE, SETTINGS, _dag, solo_latencies, workflow_bytes  # noqa: E402
+from libs.protocol.messages import ExecutorHeartbeat, NodeComplete
+from libs.sim import trace as tracegen
+from libs.sim.profile import load_profile
+from libs.sim.settings import PROFILE, SETTINGS, _dag, solo_latencies, workflow_bytes
 
 MODES = ("ours", "nocache", "wcache", "mcache")
 SWEEPS = ("rate", "slo", "gpus", "cov")

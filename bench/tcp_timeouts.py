@@ -33,11 +33,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import libs.dataplane.transport.tcp as tcp_module  # noqa: E402
-from libs.dataplane.errors import PeerBusyError, TransportError  # noqa: E402
-from libs.dataplane.transport import TcpTransport  # noqa: E402
-from libs.dataplane.transport.wire import AUTH, HELLO  # noqa: E402
-from libs.protocol.tensor_meta import TensorMeta  # noqa: E402
+import libs.dataplane.transport.tcp as tcp_module
+from libs.dataplane.errors import PeerBusyError, TransportError
+from libs.dataplane.transport import TcpTransport
+from libs.dataplane.transport.wire import AUTH, HELLO
+from libs.protocol.tensor_meta import TensorMeta
 
 KIB = 1024
 BOUND = 30.0  # no wait here may take longer: something is broken then

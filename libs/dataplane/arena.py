@@ -334,7 +334,7 @@ class Arena:
     def free_soon(self, offset: int) -> None:
         """Free from any context, including a GC finalizer that fires inside one of this arena's
         own locked operations (then the block is freed as that operation ends)."""
-        if self._lock._is_owned():  # type: ignore[attr-defined]
+        if self._lock._is_owned():  # type: ignore[attr-defined]  # noqa: SLF001 - threading's lock-owner test has no public name
             self._deferred.append(offset)
         else:
             self.free(offset)
@@ -585,11 +585,11 @@ class ShmArena(Arena):
             # and remove the name now so the segment disappears with its last reader.
             log.debug("arena %s closed while tensors still view it; unmapped when they go", self.name)
             # Drop SharedMemory's references too, or its __del__ retries close() and complains.
-            shm._mmap = None  # type: ignore[attr-defined]
+            shm._mmap = None  # type: ignore[attr-defined]  # noqa: SLF001 - CPython's SharedMemory keeps its mapping private
             fd = getattr(shm, "_fd", -1)
             if fd >= 0:
                 os.close(fd)
-                shm._fd = -1  # type: ignore[attr-defined]
+                shm._fd = -1  # type: ignore[attr-defined]  # noqa: SLF001 - CPython's SharedMemory keeps its descriptor private
         if self._owner:
             try:
                 shm.unlink()
@@ -602,7 +602,7 @@ def reserve_segment(shm: shared_memory.SharedMemory, name: str, size: int) -> No
     ``/dev/shm`` fails here with a clear error rather than as a SIGBUS on first touch. A filesystem
     that cannot reserve (macOS) is left as it is."""
     try:
-        os.posix_fallocate(shm._fd, 0, size)  # type: ignore[attr-defined]
+        os.posix_fallocate(shm._fd, 0, size)  # type: ignore[attr-defined]  # noqa: SLF001 - CPython's SharedMemory keeps its descriptor private
     except OSError as exc:
         if exc.errno in (95, 45):  # EOPNOTSUPP / ENOTSUP (macOS): nothing to reserve with
             return

@@ -158,6 +158,10 @@ class Lease:
     def closed(self) -> bool:
         return self._tensor is None
 
+    def on_close(self, finalizer: Callable[[], object]) -> None:
+        """What frees the copy (called once by :meth:`close`, or by the GC's safety net)."""
+        self._finalizer = finalizer
+
     def close(self) -> None:
         """Free the local copy now (idempotent). Do not use tensors obtained from it afterwards."""
         self._tensor = None
@@ -361,7 +365,7 @@ class TensorStore:
         # Safety net for leases dropped without close(): free the block once nothing can see it.
         # On host arenas that is when the memoryview every derived tensor's storage holds dies;
         # elsewhere (device arenas, empty tensors) when the lease itself is collected.
-        lease._finalizer = _CopyBlock(arena, offset, self._copies, anchor if anchor is not None else lease)
+        lease.on_close(_CopyBlock(arena, offset, self._copies, anchor if anchor is not None else lease))
         del tensor, anchor
         try:
             start = time.perf_counter()

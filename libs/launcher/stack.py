@@ -102,7 +102,7 @@ class Stack:
             role = module.rsplit(".", 1)[-1]
             env = {**self.credentials.env(name if role == "executor" else role, role), **env}
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        out = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
+        out = open(self.log_dir / f"{name}.log", "ab")
         proc = subprocess.Popen(
             [sys.executable, "-m", module],
             env=self.env(**env),
@@ -212,7 +212,7 @@ class Stack:
             return
         try:
             creds.create_redis_users(self.redis_url)
-        except Exception as e:  # noqa: BLE001 - e.g. the URL's user may not run ACL SETUSER
+        except Exception as e:
             raise StackError(
                 f"creating the Redis users on {redact(self.redis_url)} failed ({e}); its user needs "
                 "the ACL command (the default user has it), or run without credentials"

@@ -138,7 +138,7 @@ def load_component(
         loaded.close()
         raise
     model.eval()
-    model._t2i_checkpoint = loaded
+    model._t2i_checkpoint = loaded  # noqa: SLF001 - our attribute on a torch module: keeps its checkpoint mapped while it lives
     weakref.finalize(model, loaded.close)
     return model
 
@@ -235,7 +235,7 @@ def _bind(model: Any, loaded: LoadedCheckpoint) -> None:
         except AttributeError:
             unknown.append(e.name)
             continue
-        table = mod._parameters if e.kind == "parameter" else mod._buffers
+        table = mod._parameters if e.kind == "parameter" else mod._buffers  # noqa: SLF001 - torch's registry of a module's tensors: rebinding in place has no public API
         if attr not in table:
             unknown.append(e.name)
             continue

@@ -53,7 +53,7 @@ class LoraSwitch:
             [
                 (mod, name, p.requires_grad)
                 for mod in model.modules()
-                for name, p in mod._parameters.items()
+                for name, p in mod._parameters.items()  # noqa: SLF001 - torch's registry of a module's tensors: rebinding in place has no public API
                 if p is not None
             ]
             if match_requires_grad
@@ -68,7 +68,7 @@ class LoraSwitch:
             self.model.disable_lora()
         if self._base_flags is not None:
             for mod, name, fresh in self._base_flags:
-                mod._parameters[name].requires_grad_(False if path else fresh)
+                mod._parameters[name].requires_grad_(False if path else fresh)  # noqa: SLF001 - torch's registry of a module's tensors: rebinding in place has no public API
 
     def _activate(self, path: str, scale: float) -> None:
         name = adapter_name(path)

@@ -156,11 +156,9 @@ class ModelFn:
     def signature(cls) -> Signature:
         """The declared I/O, read without loading any model."""
         inst = cls.__new__(cls)
-        inst._io = _IO()
+        io = inst._io = _IO()  # noqa: SLF001 - the class's own state, on a bare instance it just made
         inst.setup_io()
-        return Signature(
-            inputs=dict(inst._io.inputs), outputs=list(inst._io.outputs), optional=list(inst._io.optional)
-        )
+        return Signature(inputs=dict(io.inputs), outputs=list(io.outputs), optional=list(io.optional))
 
     @property
     def inputs(self) -> dict[str, bool]:

@@ -232,26 +232,26 @@ class VirtualModel:
             )
         for t in self.slots[i].tensors:
             view = storage[t.at : t.at + t.nbytes].view(t.dtype).view(t.shape)
-            table = t.owner._parameters if t.parameter else t.owner._buffers
+            table = t.owner._parameters if t.parameter else t.owner._buffers  # noqa: SLF001 - torch's registry of a module's tensors: rebinding in place has no public API
             old = table[t.attr]
             value: torch.Tensor = view
             if t.parameter:
                 value = torch.nn.Parameter(view, requires_grad=bool(old is not None and old.requires_grad))
             table[t.attr] = value
             for owner, attr in t.aliases:
-                (owner._parameters if t.parameter else owner._buffers)[attr] = value
+                (owner._parameters if t.parameter else owner._buffers)[attr] = value  # noqa: SLF001 - torch's registry of a module's tensors: rebinding in place has no public API
 
     def unbind(self, i: int) -> None:
         """Layer ``i``'s tensors point at placeholders: its bytes can be freed."""
         for t in self.slots[i].tensors:
-            table = t.owner._parameters if t.parameter else t.owner._buffers
+            table = t.owner._parameters if t.parameter else t.owner._buffers  # noqa: SLF001 - torch's registry of a module's tensors: rebinding in place has no public API
             old = table[t.attr]
             value = _placeholder(t.shape, t.dtype, self.device)
             if t.parameter:
                 value = torch.nn.Parameter(value, requires_grad=bool(old is not None and old.requires_grad))
             table[t.attr] = value
             for owner, attr in t.aliases:
-                (owner._parameters if t.parameter else owner._buffers)[attr] = value
+                (owner._parameters if t.parameter else owner._buffers)[attr] = value  # noqa: SLF001 - torch's registry of a module's tensors: rebinding in place has no public API
 
     def close(self) -> None:
         for h in self._hooks:

@@ -318,7 +318,7 @@ def decode_image(data: bytes | None, name: str) -> Any:
     try:
         img = Image.open(io.BytesIO(data))
         img.load()
-    except Exception as e:  # noqa: BLE001 - corrupt input: the node fails, the executor does not
+    except Exception as e:
         raise NodeError(f"image {name!r} cannot be decoded: {e}") from e
     return img.convert("RGB")
 
@@ -509,7 +509,7 @@ class NodeRunner:
                 # (and a decode that can tile, tiles).
                 self._oom(held.key, held.components)
                 raise NodeError(f"{d.fn} ran out of memory: {e}", retryable=True) from e
-            except Exception as e:  # noqa: BLE001 - a ModelFn bug fails the node, not the executor
+            except Exception as e:
                 raise NodeError(f"{d.fn}.execute raised {type(e).__name__}: {e}") from e
             exec_s -= load.stall_s  # waiting for weights is loading, not compute
             if not isinstance(outs, dict):

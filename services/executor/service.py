@@ -422,7 +422,7 @@ class ExecutorService:
                 NodeFailed(self.id, d.request_id, d.attempt, d.node_id, str(e), e.retryable, e.unreachable)
             )
             return
-        except Exception as e:  # noqa: BLE001 - never let one node take the executor down
+        except Exception as e:
             log.exception("node %s crashed", node)
             await self._finish(
                 NodeFailed(self.id, d.request_id, d.attempt, d.node_id, f"executor error: {e}", True)

@@ -311,7 +311,7 @@ async def answer(
         for rid, result in zip(rec.request_ids, results, strict=True):
             if result is None or result.status != "succeeded" or not result.images:
                 raise error_of(result, rid, rec.timeout_s, rec.loras)
-        data = await _items(request, rec, results, stale)  # type: ignore[arg-type]
+        data = await result_items(request, rec, results, stale)  # type: ignore[arg-type]
     except ApiError as e:
         e.headers[REQUEST_ID_HEADER] = rec.id
         raise
@@ -328,7 +328,7 @@ async def answer(
     return web.json_response(body, headers={REQUEST_ID_HEADER: rec.id})
 
 
-async def _items(
+async def result_items(
     request: web.Request, rec: GenerationRecord, results: list[RequestResult], stale: bool
 ) -> list[dict[str, Any]]:
     cfg, bridge = request.app[CONFIG], request.app[BRIDGE]

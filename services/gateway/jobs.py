@@ -122,7 +122,7 @@ async def status_object(
     if status == "succeeded" and with_data:
         from services.gateway import images  # images imports this module
 
-        out["data"] = await images._items(origin, rec, results, stale=True)  # type: ignore[arg-type]
+        out["data"] = await images.result_items(origin, rec, results, stale=True)  # type: ignore[arg-type]
     elif status in ("failed", "cancelled"):
         rid, ended = next((r, s) for r, s in zip(rec.request_ids, states, strict=True) if s.status == status)
         err = error_of(ended.result, rid, rec.timeout_s, rec.loras)

@@ -103,7 +103,7 @@ class RegistryService:
         op = msg.subject.rpartition(".")[2]
         try:
             reply = await self.handle(msg.data)
-        except Exception as e:  # noqa: BLE001 - a bug in one request must not kill the service
+        except Exception as e:
             log.exception("registry request failed")
             reply = RegistryReply(ok=False, error=f"internal error: {e}", status=500)
         self.metrics.op(op, reply.status, time.perf_counter() - t0)
@@ -195,7 +195,7 @@ class RegistryService:
     async def _on_advert(self, msg: Msg) -> None:
         try:
             ack = await self.advertise(msg.data)
-        except Exception as e:  # noqa: BLE001 - a bug in one request must not kill the service
+        except Exception as e:
             log.exception("advertisement failed")
             ack = AdvertAck(ok=False, error=f"internal error: {e}")
         if msg.reply:

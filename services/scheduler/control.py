@@ -87,12 +87,12 @@ class Control:
             return False
         try:
             if run is not None:
-                svc._apply(svc.core.cancel(request_id, owner, reason))
-                svc._schedule_soon()  # its executors are free (or soon): others' work goes there
+                svc._apply(svc.core.cancel(request_id, owner, reason))  # noqa: SLF001 - the scheduler shell's state spread over several objects (issue 21, item 1)
+                svc._schedule_soon()  # its executors are free (or soon): others' work goes there  # noqa: SLF001 - the scheduler shell's state spread over several objects (issue 21, item 1)
                 done = True
             else:
                 done = svc.intake.cancel(request_id, owner, reason)
-        except Exception:  # noqa: BLE001 - a core bug: logged; the poll tries again
+        except Exception:
             log.exception("cancelling %s failed", request_id)
             return False
         self.cancelled += int(done)

@@ -219,7 +219,7 @@ class Intake:
                 if (req := await self._accept(m)) is not None:
                     self._seq += 1
                     accepted.append((req, self._seq))
-            except Exception:  # noqa: BLE001 - a bug: the message is redelivered after ack_wait
+            except Exception:
                 log.exception("intake of a message failed")
         await self._prefetch([req for req, _ in accepted])
         checked: list[tuple[ImageRequest, Dag, Deadline, int]] = []

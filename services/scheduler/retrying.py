@@ -63,7 +63,7 @@ class Backoff:
     def next(self) -> float:
         base = min(self.max_s, self.initial_s * 2.0 ** min(self.tries, 30))
         self.tries += 1
-        return base * (1.0 + self.jitter * (2.0 * random.random() - 1.0))  # noqa: S311 - not crypto
+        return base * (1.0 + self.jitter * (2.0 * random.random() - 1.0))
 
 
 async def retry_transient(

@@ -296,7 +296,7 @@ class SchedulerService:
                     self.intake.admit_queued(min(room, 64), rank, self.core.accounts.tenants, now)
                     if room > 64 and len(self.intake.backlog):
                         wake.set()
-            except Exception:  # noqa: BLE001 - a bug: logged; the queue is tried again next wake
+            except Exception:
                 log.exception("admitting queued requests failed")
             await asyncio.sleep(0)
 
@@ -317,7 +317,7 @@ class SchedulerService:
         self._schedule_due = False
         try:
             self._apply(self.core.schedule(time.monotonic()))
-        except Exception:  # noqa: BLE001 - a core bug: logged; the next event or tick tries again
+        except Exception:
             log.exception("scheduling round failed")
 
     # -- events ---------------------------------------------------------------------------------------
@@ -346,7 +346,7 @@ class SchedulerService:
                     effects = self.core.remove_executor(ex, now, "said goodbye")
             self._apply(effects)
             self._schedule_soon()
-        except Exception:  # noqa: BLE001 - one bad event (or a core bug) is logged; the loop lives on
+        except Exception:
             log.exception("handling %s failed", type(ev).__name__)
 
     def _drop_forged(self, what: str, claimed: str, sender: str) -> None:
@@ -375,7 +375,7 @@ class SchedulerService:
         try:
             self._apply(self.core.reject_completion(node, ev.executor, now, str(e)))
             self._schedule_soon()
-        except Exception:  # noqa: BLE001 - a core bug: logged, the loop lives on
+        except Exception:
             log.exception("handling the bad completion of %s failed", node)
 
     # -- effects ----------------------------------------------------------------------------------------
@@ -405,7 +405,7 @@ class SchedulerService:
         now = time.monotonic()
         try:
             effects = self.core.dispatch_result(node, executor, ok=ok, seq=seq, error=error, now=now)
-        except Exception:  # noqa: BLE001 - e.g. an IllegalTransition (a core bug): log, keep serving
+        except Exception:
             log.exception("handling the answer to dispatch %s failed", node)
             return
         self._apply(effects)
@@ -498,7 +498,7 @@ class SchedulerService:
                 backoff=self._backoff(),
                 give_up_after_s=self.cfg.result_retry_s,
             )
-        except Exception:  # noqa: BLE001 - published; the message is acked regardless (no recompute)
+        except Exception:
             log.exception("storing the result of %s in Redis failed for good", rid)
 
     def _backoff(self) -> Backoff:
@@ -512,7 +512,7 @@ class SchedulerService:
             now = time.monotonic()
             try:
                 self._apply(self.core.expire(now) + self.core.schedule(now))
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.exception("scheduler tick failed")
             if self.cfg.reconcile_s > 0 and now - last_reconcile >= self.cfg.reconcile_s and self.leading:
                 last_reconcile = now

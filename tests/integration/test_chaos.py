@@ -139,7 +139,7 @@ def test_crashes_of_an_executor_the_leader_and_the_gateway_lose_no_request(stack
 
         # Repeated, a random pause apart, while it breaks; one still broken after 150 s is
         # reported with the others below.
-        until_sync(answered, 150, step=0.5 + random.random())  # noqa: S311 - not the seeded one
+        until_sync(answered, 150, step=0.5 + random.random())
 
     t0 = time.monotonic()
     pool = ThreadPoolExecutor(max_workers=REQUESTS)

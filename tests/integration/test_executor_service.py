@@ -73,7 +73,7 @@ async def test_a_dispatched_node_completes_and_a_release_frees_its_attempt(execu
         node.output("a").encode(),
         node.output("b").encode(),
     ]
-    assert service.current is None and len(service.store._live) == 2  # noqa: SLF001
+    assert service.current is None and len(service.store._live) == 2
     await service.heartbeat()
     assert await until(lambda: sum(isinstance(e, ExecutorHeartbeat) for e in events) >= 2), "no 2nd beat"
     beat = [e for e in events if isinstance(e, ExecutorHeartbeat)][-1]
@@ -85,11 +85,11 @@ async def test_a_dispatched_node_completes_and_a_release_frees_its_attempt(execu
     await nc.publish(subjects.executor(EXECUTOR), encode(other))
     assert await until(lambda: len(service.runner.callbacks) == 2), "callbacks not delivered"
     await nc.publish(subjects.executor(EXECUTOR), encode(ReleaseRequest("r")))  # every attempt held here
-    assert await until(lambda: not service.store._live), "tensors not released"  # noqa: SLF001
+    assert await until(lambda: not service.store._live), "tensors not released"
     assert len(service.runner.callbacks) == 1  # attempt 3 ran nothing here: kept until it is released
     await nc.publish(subjects.executor(EXECUTOR), encode(ReleaseRequest("r", 3)))
     assert await until(lambda: len(service.runner.callbacks) == 0), "attempt 3 not released"
-    assert AttemptRef("r", 2) not in service._attempts.get("r", set())  # noqa: SLF001
+    assert AttemptRef("r", 2) not in service._attempts.get("r", set())
 
 
 async def test_peers_release_tensors_on_the_release_subject_only(executor) -> None:
@@ -100,24 +100,24 @@ async def test_peers_release_tensors_on_the_release_subject_only(executor) -> No
     assert ack_decoder.decode((await nc.request(subjects.executor(EXECUTOR), encode(d), timeout=10)).data).ok
     assert await until(lambda: any(isinstance(e, NodeComplete) for e in events)), "no NodeComplete"
     tid = NodeRef("r", 1, "n").output("a").encode()
-    assert tid in service.store._live  # noqa: SLF001
+    assert tid in service.store._live
     await nc.publish(subjects.executor(EXECUTOR), encode(ReleaseTensors([tid])))  # refused there
     # Handshake: the executor handles the messages of one subscription one at a time, in the order
     # this connection published them (the service shares it), so once a malformed request after the
     # ReleaseTensors on ``exec.<id>`` is answered, that ReleaseTensors was handled (and refused).
     probe = ack_decoder.decode((await nc.request(subjects.executor(EXECUTOR), b"{}", timeout=10)).data)
     assert not probe.ok and "malformed" in probe.error
-    assert tid in service.store._live  # noqa: SLF001
+    assert tid in service.store._live
     # A dispatch on the release subject is not one: nothing runs, nobody answers.
     d2 = Dispatch("r", 7, "n2", "t", "toy.fn", "m", {}, [OutputPlan("a", 1)])
     await nc.publish(subjects.executor_release(EXECUTOR), encode(d2))
     await nc.publish(subjects.executor_release(EXECUTOR), encode(ReleaseTensors([tid])))
-    assert await until(lambda: tid not in service.store._live), "not released"  # noqa: SLF001
+    assert await until(lambda: tid not in service.store._live), "not released"
     # The release after it on the same subject and connection took effect, so the dispatch was
     # handled before it. Had it been accepted, it would be the current node until its run ended,
     # and its run records its attempt (kept until a release) before it ends: neither is there.
     assert service.current is None and service.nodes_run == 1
-    assert AttemptRef("r", 7) not in service._attempts.get("r", set())  # noqa: SLF001
+    assert AttemptRef("r", 7) not in service._attempts.get("r", set())
     assert sum(isinstance(e, NodeComplete) for e in events) == 1
 
 

@@ -214,7 +214,7 @@ async def test_a_cancel_the_runner_cannot_carry_out_restarts_the_executor_only_w
     assert not await dispatch(nc, subjects, "probe", "m"), "a busy executor accepted more work"
     # Carrying the cancel out would have cancelled n1's work task at once, as the cancel was
     # handled: the task is still n1's, not done and never asked to stop.
-    running = service._cancellable  # noqa: SLF001
+    running = service._cancellable
     assert running is not None and running[0].node_id == "n1"
     assert not running[1].done() and not running[1].cancelling()
     assert not any(isinstance(e, NodeFailed) for e in events)

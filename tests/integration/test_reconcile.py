@@ -31,7 +31,7 @@ async def _hold_an_attempt(world: World, ex, rid: str, epoch: int = 5) -> None:
     reply = await world.nc.request(world.subjects.executor(ex.id), encode(d), 10.0)
     assert ack_decoder.decode(reply.data).ok
     assert await until(lambda: ex.current is None), "the made-up node did not end"
-    assert rid in ex._attempts  # noqa: SLF001
+    assert rid in ex._attempts
 
 
 async def _broadcast(world: World, live: LiveAttempts | bytes) -> None:
@@ -54,17 +54,17 @@ async def test_an_attempt_the_scheduler_no_longer_lists_is_freed_after_the_grace
 
     ex.reconcile_grace_s = 60.0  # idle for less than the grace: kept whatever the list says
     await _broadcast(world, LiveAttempts([], epoch=5))
-    assert {"r1", "r2"} <= set(ex._attempts)  # noqa: SLF001
+    assert {"r1", "r2"} <= set(ex._attempts)
 
     ex.reconcile_grace_s = 0.0
     await _broadcast(world, LiveAttempts(["r2/1"], epoch=4))  # a replaced scheduler's: ignored
-    assert {"r1", "r2"} <= set(ex._attempts)  # noqa: SLF001
+    assert {"r1", "r2"} <= set(ex._attempts)
     await _broadcast(world, b'{"type":"live_attempts","attempts":["no-slash"],"epoch":5}')  # malformed
-    assert {"r1", "r2"} <= set(ex._attempts)  # noqa: SLF001
+    assert {"r1", "r2"} <= set(ex._attempts)
 
     await _broadcast(world, LiveAttempts(["r2/1", "other/3"], epoch=5))
-    assert "r1" not in ex._attempts and "r2" in ex._attempts  # noqa: SLF001
-    assert AttemptRef("r2", 1) in ex._attempt_seen  # noqa: SLF001
+    assert "r1" not in ex._attempts and "r2" in ex._attempts
+    assert AttemptRef("r2", 1) in ex._attempt_seen
 
 
 async def test_the_leader_lists_its_requests_and_an_executor_drops_what_it_forgot(world):
@@ -84,6 +84,6 @@ async def test_the_leader_lists_its_requests_and_an_executor_drops_what_it_forgo
     (rid,) = await world.submit(1)
     assert await until(lambda: any(f"{rid}/1" in m.attempts for m in lists), 10.0), lists[-3:]
     assert all(m.epoch == sched.epoch for m in lists)
-    assert await until(lambda: "forgotten" not in ex._attempts), "not freed"  # noqa: SLF001
+    assert await until(lambda: "forgotten" not in ex._attempts), "not freed"
     results = await world.wait_results([rid], within_s=30.0)
     assert results[rid].status == "succeeded"  # the live request was never touched

@@ -14,7 +14,7 @@ from libs.sim import trace as tracegen
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
-import slo  # noqa: E402
+import slo
 
 pytestmark = pytest.mark.e2e
 

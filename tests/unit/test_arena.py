@@ -59,7 +59,7 @@ def test_allocate_waits_and_succeeds_when_another_thread_frees(arena: Arena) -> 
     def allocate() -> None:
         try:
             result.append(arena.allocate(4 * KIB, timeout=BOUND))
-        except BaseException as exc:  # surfaced by the assertion below
+        except BaseException as exc:  # surfaced by the assertion below  # noqa: BLE001 - reported to the test, which asserts on it
             result.append(exc)
 
     waiter = threading.Thread(target=allocate)
@@ -103,7 +103,7 @@ def test_closing_the_arena_wakes_waiters_with_arena_closed(arena: Arena) -> None
     def allocate() -> None:
         try:
             arena.allocate(1 * KIB, timeout=BOUND)
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 - reported to the test, which asserts on it
             errors.append(exc)
 
     waiter = threading.Thread(target=allocate)

@@ -12,7 +12,7 @@ from services.executor.outcome import NodeError
 
 
 def _parked(box: CallbackBox) -> None:
-    while not box._waiting:  # noqa: SLF001 - wait until the thread is parked
+    while not box._waiting:
         threading.Event().wait(0.001)
 
 

@@ -383,8 +383,8 @@ def test_connections_beyond_the_cap_are_refused_until_one_closes(monkeypatch: py
 
 def _all_idle(server) -> bool:
     """Whether every connection the server keeps (the evicted ones aside) waits for a request."""
-    with server._lock:  # noqa: SLF001
-        return len(server._idle) == len(server._conns) - len(server._evicted)  # noqa: SLF001
+    with server._lock:
+        return len(server._idle) == len(server._conns) - len(server._evicted)
 
 
 def test_at_the_cap_the_longest_idle_pooled_connection_makes_room() -> None:
@@ -397,7 +397,7 @@ def test_at_the_cap_the_longest_idle_pooled_connection_makes_room() -> None:
                     # A connection whose answer the last client has is idle a moment later, once
                     # its thread is back waiting for a request (the server cannot tell before):
                     # the next client comes once it is, so there is an idle one to make room.
-                    assert until_sync(lambda: _all_idle(peer._server), BOUND), "a connection stays busy"  # noqa: SLF001
+                    assert until_sync(lambda: _all_idle(peer._server), BOUND), "a connection stays busy"
                     dst = memoryview(bytearray(4))
                     client.read(_peer_meta(peer), dst)
                     assert bytes(dst) == b"pool"

@@ -64,7 +64,7 @@ def pair(x: TensorMeta, mode: str, second_sink: str = "") -> Dispatch:
 
 
 def held_by_node(store: TensorStore) -> list[str]:
-    return [t for t in store._entries if t.startswith(NODE.encode() + "/")]  # noqa: SLF001
+    return [t for t in store._entries if t.startswith(NODE.encode() + "/")]
 
 
 def test_a_node_pulls_its_inputs_stores_its_outputs_and_frees_the_pulled_copies(runner, stores) -> None:
@@ -78,7 +78,7 @@ def test_a_node_pulls_its_inputs_stores_its_outputs_and_frees_the_pulled_copies(
     assert out.pngs["second"].height == 2 and out.reads == [x] and out.bytes_in == x.nbytes
     held = sum(mine.transport.arena.block_size(m.offset) for m in [*first, second])
     assert mine.stats()["used"] == held and mine.stats()["copies"] == 0  # the pulled x is freed
-    assert mine._groups == {"r/1": set(held_by_node(mine))}  # noqa: SLF001 - grouped by attempt
+    assert mine._groups == {"r/1": set(held_by_node(mine))}
     assert runner.resident() == [ModelKey("toy.pair", "m")]
 
 
@@ -137,7 +137,7 @@ def test_a_callback_wait_cancelled_by_a_release_gives_back_what_the_node_pulled(
     worker = threading.Thread(target=run)
     worker.start()
     deadline = time.monotonic() + 10
-    while not runner.callbacks._waiting and time.monotonic() < deadline:  # noqa: SLF001 - parked in z()
+    while not runner.callbacks._waiting and time.monotonic() < deadline:
         threading.Event().wait(0.001)
     assert mine.stats()["copies"] == 2  # x and y are pulled, execute waits for z
     runner.callbacks.cancel(NODE.attempt_ref)
@@ -164,7 +164,7 @@ def test_an_output_that_fails_discards_the_outputs_already_stored(
         runner.run_sync(pair(x, mode, second_sink=sink))
     assert e.value.retryable is retryable
     assert held_by_node(mine) == [] and mine.stats() == before
-    assert mine._groups == {}  # noqa: SLF001 - no empty group left behind
+    assert mine._groups == {}
 
 
 def test_the_model_cache_loads_each_model_once_for_its_device(tmp_path: Path) -> None:

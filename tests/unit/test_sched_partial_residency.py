@@ -243,7 +243,7 @@ class _Runner:
 
 
 class _Store:
-    class transport:  # noqa: N801 - an attribute-holder standing in for the transport
+    class transport:
         kind, address = "shm", "seg-e1"
 
     def stats(self) -> dict[str, int]:

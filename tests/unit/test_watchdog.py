@@ -41,6 +41,6 @@ async def test_a_stopped_watchdog_sends_no_more_probes():
     wd.start()
     assert await until(lambda: wd.probes >= 2), "no probe ran"
     wd.stop()
-    assert wd._thread is not None  # noqa: SLF001
-    await asyncio.to_thread(wd._thread.join, 10.0)  # noqa: SLF001
-    assert not wd._thread.is_alive()  # noqa: SLF001
+    assert wd._thread is not None
+    await asyncio.to_thread(wd._thread.join, 10.0)
+    assert not wd._thread.is_alive()

@@ -77,7 +77,7 @@ FORWARD_ORDER_HINTS: tuple[tuple[str, str], ...] = (("mid_block", "up_blocks"), 
 
 
 def _children(module: Any) -> list[tuple[str, Any]]:
-    kids = [(n, m) for n, m in module._modules.items() if m is not None]
+    kids = [(n, m) for n, m in module._modules.items() if m is not None]  # noqa: SLF001 - torch's registry of a module's children, in registration order
     for first, then in FORWARD_ORDER_HINTS:
         names = [n for n, _ in kids]
         if first in names and then in names and names.index(first) > names.index(then):
@@ -128,7 +128,7 @@ def plan_model(model: torch.nn.Module) -> list[Planned]:
         containers.update(".".join(parts[:i]) for i in range(len(parts)))
     by_layer: dict[str, list[Planned]] = {}
     for path, mod in modules:
-        for kind, table in (("parameter", mod._parameters), ("buffer", mod._buffers)):
+        for kind, table in (("parameter", mod._parameters), ("buffer", mod._buffers)):  # noqa: SLF001 - torch's registry of a module's tensors: rebinding in place has no public API
             for attr, t in table.items():
                 if t is None:
                     continue
@@ -169,7 +169,7 @@ class _PartitionWriter:
     def __init__(self, path: Path, chunk_bytes: int) -> None:
         self.path = path
         self.chunk = chunk_bytes
-        self.f = open(path, "wb")  # noqa: SIM115 - closed in finish()
+        self.f = open(path, "wb")
         self.pos = 0
         self.crcs: list[int] = []
         self._crc = 0

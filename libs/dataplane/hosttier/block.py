@@ -71,9 +71,9 @@ class HostBlock:
         except BufferError:
             # Tensors still view the bytes: the mapping goes when they do (or at HostTier.close()).
             if self._tier is not None:
-                self._tier._unmap_later.append(mm)
+                self._tier._unmap_later.append(mm)  # noqa: SLF001 - a collaborator in the same package, written together with it
         if self._tier is not None:
-            self._tier._drain_soon()
+            self._tier._drain_soon()  # noqa: SLF001 - a collaborator in the same package, written together with it
 
     def __enter__(self) -> HostBlock:
         return self

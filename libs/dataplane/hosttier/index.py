@@ -80,7 +80,7 @@ class _Txn:
 
     def count(self, tier: HostTier, counter: str, n: int = 1) -> None:
         self.idx.counters[counter] = self.idx.counters.get(counter, 0) + n
-        tier._local[counter] += n
+        tier._local[counter] += n  # noqa: SLF001 - a collaborator in the same package, written together with it
 
 
 def _owner_alive(path: str) -> bool:

@@ -546,4 +546,4 @@ class _LeaseRelease:
     def __call__(self) -> None:
         tier = self._tier()
         if tier is not None:
-            tier._release_soon(self._key, self._segment)
+            tier._release_soon(self._key, self._segment)  # noqa: SLF001 - a collaborator in the same package, written together with it

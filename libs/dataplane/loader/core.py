@@ -225,11 +225,11 @@ class Loader:
                     loaded.key, index.total_bytes, fill, self._tags(loaded, tags)
                 )
             except BaseException as e:  # noqa: BLE001 - reported through the LoadedCheckpoint
-                loaded._finish(e)
+                loaded._finish(e)  # noqa: SLF001 - a collaborator in the same package, written together with it
                 ready.set()
                 return
             loaded.host_block = block
-            loaded._on_close.append(block.close)
+            loaded._on_close.append(block.close)  # noqa: SLF001 - a collaborator in the same package, written together with it
             hit = block.hit or not filled
             if hit:  # the bytes are already in the box's memory: nothing to read from disk
                 with self._lock:
@@ -240,10 +240,10 @@ class Loader:
                     warnings.simplefilter("ignore", UserWarning)  # a read-only block: never written
                     loaded.tensors = views(index, torch.frombuffer(block.buf, dtype=torch.uint8))
                 ready.set()
-                loaded._finish(None)
+                loaded._finish(None)  # noqa: SLF001 - a collaborator in the same package, written together with it
             elif not hit:
                 ready.set()
-                loaded._finish(None)  # every chunk reached the device during the fill
+                loaded._finish(None)  # every chunk reached the device during the fill  # noqa: SLF001 - a collaborator in the same package, written together with it
             else:
                 ready.set()
                 addr = buffer_address(block.buf)

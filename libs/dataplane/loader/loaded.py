@@ -91,7 +91,7 @@ class LoadedCheckpoint:
         while self._on_close:
             try:
                 self._on_close.pop()()
-            except Exception:  # noqa: BLE001 - releasing must go on
+            except Exception:
                 log.exception("releasing %s", self.path)
 
     def __copy__(self) -> LoadedCheckpoint:

@@ -118,7 +118,7 @@ class _Progress:
         while self.next_layer < len(self.layers) and self.layers[self.next_layer].end <= watermark:
             name = self.layers[self.next_layer].name
             self.on_layer(name)
-            self.loaded._layer_landed(name)
+            self.loaded._layer_landed(name)  # noqa: SLF001 - a collaborator in the same package, written together with it
             self.next_layer += 1
 
 
@@ -148,7 +148,7 @@ class _ReadJob:
         self.host_addr = host_addr
         self.finish_loaded = finish
         self.from_disk = from_disk
-        every = loader._chunks(loaded.index)
+        every = loader._chunks(loaded.index)  # noqa: SLF001 - a collaborator in the same package, written together with it
         needed = needed_chunks(every, needed_ranges(loaded.index, loaded.first_layer))
         self.chunks = every if read_all else [c for c, n in zip(every, needed, strict=True) if n]
         self.copies = needed if read_all else [True] * len(self.chunks)  # per chunk: to the device?
@@ -158,9 +158,9 @@ class _ReadJob:
         self._left = len(self.chunks)
         self._lock = threading.Lock()
         self._done = threading.Event()
-        self.stream = loader._stream(device_flat.device) if device_flat is not None else None
+        self.stream = loader._stream(device_flat.device) if device_flat is not None else None  # noqa: SLF001 - a collaborator in the same package, written together with it
         self.staging = (
-            loader._staging_pool(loaded.index.chunk_bytes)
+            loader._staging_pool(loaded.index.chunk_bytes)  # noqa: SLF001 - a collaborator in the same package, written together with it
             if device_flat is not None and host is None and from_disk
             else None
         )
@@ -181,7 +181,7 @@ class _ReadJob:
         if not self.chunks:
             self._end()
             return
-        submit = self.loader._disk.submit if self.from_disk else self.loader._device.submit
+        submit = self.loader._disk.submit if self.from_disk else self.loader._device.submit  # noqa: SLF001 - a collaborator in the same package, written together with it
         for i in range(len(self.chunks)):
             submit(self._disk_stage if self.from_disk else self._device_stage, i, None)
 
@@ -220,7 +220,7 @@ class _ReadJob:
                 self.staging.give(slot)  # type: ignore[union-attr]
             self._fail(e)
             return
-        self.loader._device.submit(self._device_stage, i, slot)
+        self.loader._device.submit(self._device_stage, i, slot)  # noqa: SLF001 - a collaborator in the same package, written together with it
 
     def _pread(self, chunk: _Chunk, dest: memoryview) -> None:
         assert self.files is not None
@@ -311,12 +311,12 @@ class _ReadJob:
         for release in self.on_end:
             try:
                 release()
-            except Exception:  # noqa: BLE001 - the load itself is complete
+            except Exception:
                 log.exception("releasing after loading %s", self.loaded.path)
         loaded, loader = self.loaded, self.loader
         loaded.bytes_from_disk += self.bytes_read
-        with loader._lock:
+        with loader._lock:  # noqa: SLF001 - a collaborator in the same package, written together with it
             loader.disk_bytes += self.bytes_read
         self._done.set()
         if self.finish_loaded or self.error is not None:
-            loaded._finish(self.error)
+            loaded._finish(self.error)  # noqa: SLF001 - a collaborator in the same package, written together with it

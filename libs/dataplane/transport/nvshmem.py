@@ -139,7 +139,7 @@ class NvshmemTransport(Transport):
         os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(capacity + _HEAP_HEADROOM))
 
         uid = nvshmem.get_unique_id(empty=rank != 0)
-        raw = uid._data.view(np.uint8)  # the 128-byte id; ``_data`` is how NVIDIA's examples share it
+        raw = uid._data.view(np.uint8)  # the 128-byte id; ``_data`` is how NVIDIA's examples share it  # noqa: SLF001 - nvshmem4py's unique id bytes, as NVIDIA's examples share them
         if rank == 0:
             exchange_uid(bytes(raw))
         else:

@@ -183,7 +183,7 @@ class ShmTransport(Transport):
         )
         # The segment's identity, so closing removes the name only while it still names our
         # segment (a successor under our name may have replaced it since).
-        st = os.fstat(self._shm._fd)  # type: ignore[attr-defined]
+        st = os.fstat(self._shm._fd)  # type: ignore[attr-defined]  # noqa: SLF001 - CPython's SharedMemory keeps its descriptor private
         self._ident = (st.st_dev, st.st_ino)
         try:
             if reserve:
@@ -223,17 +223,17 @@ class ShmTransport(Transport):
         except BufferError:
             # Tensors still view the arena: keep the mapping for them, close the descriptor and
             # remove the name now, so the segment disappears with its last reader.
-            shm._mmap = None  # type: ignore[attr-defined]
+            shm._mmap = None  # type: ignore[attr-defined]  # noqa: SLF001 - CPython's SharedMemory keeps its mapping private
             fd = getattr(shm, "_fd", -1)
             if fd >= 0:
                 os.close(fd)
-                shm._fd = -1  # type: ignore[attr-defined]
+                shm._fd = -1  # type: ignore[attr-defined]  # noqa: SLF001 - CPython's SharedMemory keeps its descriptor private
         now = Segment.current_ident(shm.name)
         if now is None or now[:2] != getattr(self, "_ident", None):
             # Gone, or a successor's segment under our name: removing the name would cut its
             # readers off. Nor may the resource tracker remove it when this process exits.
             log.info("segment %s now belongs to a successor (or is gone): left in place", shm.name)
-            resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+            resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]  # noqa: SLF001 - CPython's SharedMemory keeps its tracker name private
             return
         try:
             shm.unlink()
