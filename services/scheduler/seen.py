@@ -1,6 +1,8 @@
 """What the core shows its policy: each ready node and each idle executor as the immutable values of
-:mod:`services.scheduler.snapshot`, with the estimates the node would be charged. Pure functions
-of the core's state; the core calls them when it builds a snapshot."""
+:mod:`services.scheduler.snapshot`, with the estimates the node would be charged. Functions of the
+core's state, with no I/O; the only state they write is their own memo of a node's input shapes
+(``RequestRun.shape_keys``, see :func:`input_shapes`). The core calls them when it builds a
+snapshot."""
 
 from __future__ import annotations
 

@@ -7,9 +7,10 @@ completions, failures). Every input becomes one synchronous call on the core; th
 are carried out here: dispatches are sent as request/reply to the executor (its ``Ack`` or silence
 goes back into the core), request state is written to Redis, results are published to the gateway.
 
-A result is published first, then the intake message is acked, then the result is written to Redis
-with retries (``result_retry_s``): a Redis outage delays only that write, never the answer, and
-never causes a recompute (the message is acked whatever Redis does).
+How a request ends is told once, in docs/scheduling.md ("The result"): the result is published,
+the request's end is made durable (the effects queued before it carried out, the result stored in
+Redis, retried, the intake message kept alive meanwhile), and only then is the message acked
+(:meth:`SchedulerService._finish`).
 
 Only the leader acts (``lease.py``, ``docs/scheduling.md`` "Fail-over"): :meth:`start` waits (a
 standby) until it holds the scheduler lease; then every dispatch, cancel and release it sends

@@ -308,7 +308,8 @@ class TcpTransport(Transport):
 
     ``host`` is the interface to bind (tests use 127.0.0.1); ``port=0`` picks a free port.
     ``advertise_host`` is what peers should dial when it differs from ``host`` (binding
-    0.0.0.0 in a container). ``token`` is the shared secret every peer must hold (default
+    0.0.0.0 in a container); only a direct caller can set it so far: ``make_transport`` and the
+    executor's settings do not pass it, so an executor advertises the address it binds. ``token`` is the shared secret every peer must hold (default
     ``$T2I_DATAPLANE_TOKEN``; ``""`` for none even if that is set): it authenticates both the
     clients of our server and the servers we read from. ``max_connections`` caps our server's
     open connections; ``timeout`` bounds every socket operation on both sides and each
