@@ -90,11 +90,25 @@ class _HostStaging:
         return getattr(self._base, name)  # chunk_bytes, dtype, counters, host_tier
 
 
+#: What the executor caches a model's components under: the model, or ``(workflow, model)`` under
+#: the WCache deployment mode (a copy per workflow: ``libs.dataplane.weights.cache_key``).
+CacheKey = ModelKey | tuple[str, ModelKey]
+
+
+def executor_cache_key(granularity: str, workflow: str, model: ModelKey) -> CacheKey:
+    return cache_key(granularity, workflow, model)  # type: ignore[return-value]
+
+
+def model_in(key: CacheKey) -> ModelKey:
+    """The model a :data:`CacheKey` caches."""
+    return model_of(key)  # type: ignore[return-value]
+
+
 @dataclass
 class Acquired:
     """A model held for one node run (:meth:`ModelCache.acquire` / :meth:`ModelCache.release`)."""
 
-    key: ModelKey
+    key: CacheKey
     components: dict[str, Any]
     job: Any = None  # the WeightCache's LoadJob (None: a model without virtualised layers)
     report: LoadReport = field(default_factory=LoadReport)
@@ -140,8 +154,8 @@ class ModelCache:
         self._takes_loader: dict[str, bool] = {}
         # Keyed by the cache key: the ModelKey, or (workflow, ModelKey) under the WCache deployment
         # mode (a copy of the model per workflow, as separate GPU functions would hold).
-        self._components: dict[Any, dict[str, Any]] = {}
-        self._sync_next: set[Any] = set()  # reload in the foreground after a failed load
+        self._components: dict[CacheKey, dict[str, Any]] = {}
+        self._sync_next: set[CacheKey] = set()  # reload in the foreground after a failed load
         self._lock = threading.Lock()
 
     def fn(self, name: str) -> ModelFn:
@@ -159,7 +173,7 @@ class ModelCache:
         ModelFn's ``load_model(model_path, device, loader=...)``), their missing layers placed and
         being copied in (execute may start at once). Always end with :meth:`release`. ``workflow``
         is the request's (WCache keeps a copy per workflow)."""
-        key = cache_key(self.weights.policy.granularity, workflow, ModelKey(fn, model))
+        key = executor_cache_key(self.weights.policy.granularity, workflow, ModelKey(fn, model))
         t0 = time.perf_counter()
         comps = self._components.get(key)
         first = comps is None
@@ -196,8 +210,8 @@ class ModelCache:
                 raise NodeError(str(e), retryable=True) from e
         return ModelLoad(report.seconds + stall_s, report.tier, report.disk_bytes, report.frac, stall_s)
 
-    def _load(self, ckey: Any) -> dict[str, Any]:
-        key: ModelKey = model_of(ckey)  # type: ignore[assignment]
+    def _load(self, ckey: CacheKey) -> dict[str, Any]:
+        key = model_in(ckey)
         inst = self.fn(key.fn)
         path = resolve_model_path(key.model, self.root)
         loader = self.loader
@@ -219,7 +233,7 @@ class ModelCache:
         log.info("loaded %s (%d layers)", ckey, len(getattr(self.weights.models.get(ckey), "slots", ())))
         return comps
 
-    def _forget(self, key: Any) -> None:
+    def _forget(self, key: CacheKey) -> None:
         """Drop a model whose load failed: the next node loads it again, in the foreground."""
         with self._lock:
             self._components.pop(key, None)
@@ -262,11 +276,11 @@ class ModelCache:
         with self._lock:
             keys = list(self._components)
         full = {
-            model_of(k)
+            model_in(k)
             for k in keys
             if k not in self.weights.models or (k in cached and cached[k][0] == cached[k][1])
         }
-        return sorted(full, key=ModelKey.encode)  # type: ignore[arg-type]
+        return sorted(full, key=ModelKey.encode)
 
     def cached(self) -> dict[ModelKey, tuple[int, int, int, int]]:
         """Per model with any layer on the device: (resident layers, layers, resident bytes, bytes)
@@ -278,7 +292,7 @@ class ModelCache:
         self.weights.trim(ModelKey(fn, model), resident)
 
 
-def tile_if_short(weights: Any, key: Any, components: dict[str, Any]) -> list[Any]:
+def tile_if_short(weights: Any, key: CacheKey, components: dict[str, Any]) -> list[Any]:
     """Where ``key``'s profiled activations do not fit beside the weights resident now, the
     components that can decode in tiles (diffusers' VAEs: ``enable_tiling``) do so for this run;
     returns those switched on (the caller switches them off). Tiled decodes blend overlapping tiles,
@@ -400,6 +414,7 @@ class NodeRunner:
     executor's asyncio loop stays free for heartbeats and releases."""
 
     cancels_cleanly = False  # execute runs in a thread: a node over its time limit cannot be stopped
+    host_report_blocks = True  # the host tier's report takes a file lock
 
     def __init__(
         self,
@@ -457,12 +472,12 @@ class NodeRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         return torch.cuda.memory_allocated(self.device)
 
-    def _peak_record(self, key: Any, base: int) -> None:
+    def _peak_record(self, key: CacheKey, base: int) -> None:
         """On CUDA: the run's activations (peak allocated beyond ``base``) into its model's profile."""
         if self.device.type == "cuda":
             self.models.weights.record_activation(key, torch.cuda.max_memory_allocated(self.device) - base)
 
-    def _oom(self, key: Any, components: dict[str, Any]) -> None:
+    def _oom(self, key: CacheKey, components: dict[str, Any]) -> None:
         weights = self.models.weights
         room = weights.room()
         if room is not None:

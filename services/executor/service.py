@@ -24,6 +24,7 @@ import logging
 import socket
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import msgspec
@@ -73,8 +74,13 @@ class Runner(Protocol):
 
     callbacks: CallbackBox
     cancels_cleanly: bool  # whether cancelling ``run`` stops the node (else a time limit restarts us)
+    host_report_blocks: bool  # whether ``host_report`` may block (a file lock): read off the loop
 
     async def run(self, d: Dispatch, blobs: dict[str, bytes] | None = None) -> NodeOutcome: ...
+
+    def request_ended(self, request_id: str) -> None:
+        """The scheduler released ``request_id`` (NoCache: nothing of it stays on the device)."""
+        ...
 
     def resident(self) -> list[ModelKey]: ...
 
@@ -197,7 +203,7 @@ class ExecutorService:
         # The host tier's report takes a file lock: read it off the loop, before this beat's sequence
         # number and state are taken together (no await between them). A runner without a host tier
         # (simulated: ``host_report_blocks`` False) answers at once, without a thread hop.
-        if getattr(self.runner, "host_report_blocks", True):
+        if self.runner.host_report_blocks:
             host_keys, host_stats = await asyncio.to_thread(self.runner.host_report)
         else:
             host_keys, host_stats = self.runner.host_report()
@@ -275,9 +281,7 @@ class ExecutorService:
                 freed = self._release_attempts(attempts)
                 if freed:
                     log.debug("released %d tensors of %s", freed, rid)
-                ended = getattr(self.runner, "request_ended", None)
-                if ended is not None:  # NoCache: nothing of the request stays (deployment modes)
-                    ended(rid)
+                self.runner.request_ended(rid)  # NoCache: nothing of the request stays (deployment modes)
             case LiveAttempts(attempts=raw):
                 try:
                     live = {AttemptRef.decode(a) for a in raw}
@@ -303,7 +307,7 @@ class ExecutorService:
         if running is None or running[0] != node or running[1].done() or self._cancelling == node:
             log.debug("ignored a cancel of %s: not running it (running %s)", node, self.current)
             return
-        clean = getattr(self.runner, "cancels_cleanly", False)
+        clean = self.runner.cancels_cleanly
         if not clean and not m.restart_ok:
             log.info("not cancelling %s: its thread cannot be stopped, and no restart was asked", node)
             return
@@ -329,39 +333,43 @@ class ExecutorService:
         """Free the attempts held here that the scheduler no longer has in progress (``live``) and
         that had no node here for ``reconcile_grace_s`` (so a dispatch racing the list is never
         hurt); returns the tensors freed."""
-        now = time.monotonic() if now is None else now
-        running = self.current.attempt_ref if self.current is not None else None
-        gone = [
-            a
-            for a, seen in self._attempt_seen.items()
-            if a not in live and a != running and now - seen > self.reconcile_grace_s
-        ]
-        if not gone:
-            return 0
-        freed = self._release_attempts(gone)
-        log.warning(
-            "freed %d tensors of %d attempts the scheduler no longer has (their release was lost): %s",
-            freed, len(gone), [a.encode() for a in gone[:5]],
-        )  # fmt: skip
-        return freed
+        return self._sweep(
+            lambda a: a not in live,
+            self.reconcile_grace_s,
+            now,
+            "the scheduler no longer has (their release was lost)",
+        )
 
     def sweep_attempts(self, now: float | None = None) -> int:
         """Free the attempts that had no node here for ``attempt_ttl_s`` (their end-of-request
         release was lost); returns the tensors freed. Called with every heartbeat."""
         if self.attempt_ttl_s <= 0:
             return 0
+        return self._sweep(
+            lambda a: True,
+            self.attempt_ttl_s,
+            now,
+            f"idle for over {self.attempt_ttl_s:g} s (their release never came)",
+        )
+
+    def _sweep(
+        self, candidate: Callable[[AttemptRef], bool], idle_s: float, now: float | None, why: str
+    ) -> int:
+        """The one idle sweep: free the attempts ``candidate`` picks that had no node here for over
+        ``idle_s`` (never the running one's)."""
         now = time.monotonic() if now is None else now
         running = self.current.attempt_ref if self.current is not None else None
-        stale = [
-            a for a, seen in self._attempt_seen.items() if now - seen > self.attempt_ttl_s and a != running
+        gone = [
+            a
+            for a, seen in self._attempt_seen.items()
+            if a != running and now - seen > idle_s and candidate(a)
         ]
-        if not stale:
+        if not gone:
             return 0
-        freed = self._release_attempts(stale)
+        freed = self._release_attempts(gone)
         log.warning(
-            "freed %d tensors of %d attempts idle for over %g s (their release never came): %s",
-            freed, len(stale), self.attempt_ttl_s, [a.encode() for a in stale[:5]],
-        )  # fmt: skip
+            "freed %d tensors of %d attempts %s: %s", freed, len(gone), why, [a.encode() for a in gone[:5]]
+        )
         return freed
 
     async def _accept(self, d: Dispatch, msg: Msg) -> None:
@@ -399,7 +407,7 @@ class ExecutorService:
             if self._cancelling != node or (me is not None and me.cancelling()):
                 raise  # the executor is stopping
             self.cancelled += 1
-            if not getattr(self.runner, "cancels_cleanly", False):
+            if not self.runner.cancels_cleanly:
                 self._wedged.set()  # as for our own time limit: its thread still runs execute
             await self._finish(
                 NodeFailed(self.id, d.request_id, d.attempt, d.node_id, "cancelled by the scheduler", True)
@@ -407,7 +415,7 @@ class ExecutorService:
             return
         except TimeoutError:
             log.error("node %s ran over the executor's %g s limit", node, self.node_timeout_s)
-            if not getattr(self.runner, "cancels_cleanly", False):
+            if not self.runner.cancels_cleanly:
                 self._wedged.set()  # its thread still runs execute: nothing else may run here
             await self._finish(
                 NodeFailed(

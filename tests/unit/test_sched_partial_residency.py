@@ -228,6 +228,12 @@ def test_a_completion_with_a_load_fraction_outside_0_1_is_refused_where_it_is_de
 
 # -- the executor's side -----------------------------------------------------------------------------
 class _Runner:
+    cancels_cleanly = True
+    host_report_blocks = False
+
+    def request_ended(self, request_id: str) -> None:
+        pass
+
     def resident(self) -> list[ModelKey]:
         return [ModelKey("f.a", "full")]
 
