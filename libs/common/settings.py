@@ -24,9 +24,14 @@ from libs.common.config import ConfigError, load_config
 NAMESPACE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,31}$")
 
 
+#: Where a machine's brokers answer when nothing says otherwise (written here only).
+DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
 class CommonSettings(msgspec.Struct, forbid_unknown_fields=True):
-    nats_url: str = "nats://127.0.0.1:4222"
-    redis_url: str = "redis://127.0.0.1:6379/0"
+    nats_url: str = DEFAULT_NATS_URL
+    redis_url: str = DEFAULT_REDIS_URL
     namespace: str = "t2i"
     log_level: str = "INFO"
     # Logs: "json" (one object per line) or "console"; "" picks json unless stderr is a terminal.

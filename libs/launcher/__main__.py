@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+from libs.common.settings import common_settings
 from libs.launcher import brokers
 from libs.launcher.stack import Stack, StackError
 
@@ -39,8 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
 
-    nats_url = os.environ.get("T2I_NATS_URL", "nats://127.0.0.1:4222")
-    redis_url = os.environ.get("T2I_REDIS_URL", "redis://127.0.0.1:6379/0")
+    common = common_settings()  # T2I_NATS_URL, T2I_REDIS_URL, T2I_NAMESPACE (libs/common/settings.py)
+    nats_url, redis_url = common.nats_url, common.redis_url
     var = Path(args.var)
     started = brokers.ensure_brokers(nats_url, redis_url, var, nats=args.insecure)
 
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     build_models(["--out", args.models, "--all"])
 
     stack = Stack(
-        namespace=os.environ.get("T2I_NAMESPACE", "t2i"),
+        namespace=common.namespace,
         log_dir=var / "logs",
         model_root=Path(args.models).resolve(),
         gateway_port=args.port,

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from libs.common.nats_conn import split_credentials
-from libs.common.settings import redact, with_userinfo
+from libs.common.settings import DEFAULT_NATS_URL, DEFAULT_REDIS_URL, redact, with_userinfo
 from libs.dataplane.hosttier import HostTier
 from libs.launcher import brokers
 from libs.launcher import private_redis as redis_server
@@ -55,8 +55,8 @@ class Stack:
     gateway_port: int = 8000
     executors: int = 2
     api_keys: str = "sk-t2i-dev=local:admin"
-    nats_url: str = "nats://127.0.0.1:4222"
-    redis_url: str = "redis://127.0.0.1:6379/0"
+    nats_url: str = DEFAULT_NATS_URL
+    redis_url: str = DEFAULT_REDIS_URL
     executor_threads: int = 1
     executor_arena_mb: int = 256
     sim_executors: int = 0  # simulated executors, in ``sim_processes`` extra processes
