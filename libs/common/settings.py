@@ -30,6 +30,8 @@ DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
 
 class CommonSettings(msgspec.Struct, forbid_unknown_fields=True):
+    # The brokers; the namespace that prefixes every subject, stream, bucket and Redis key (test runs
+    # and deployments on one pair of brokers each take their own); the log level.
     nats_url: str = DEFAULT_NATS_URL
     redis_url: str = DEFAULT_REDIS_URL
     namespace: str = "t2i"
@@ -41,9 +43,12 @@ class CommonSettings(msgspec.Struct, forbid_unknown_fields=True):
     # metrics on its own port.
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 0
+    # The service's NATS user (its role's: docs/security.md) and its password, or a file holding it;
+    # ``user:password@`` in the URL works too.
     nats_user: str = ""
     nats_password: str = ""
     nats_password_file: str = ""
+    # The same for Redis (an ACL user); executors need one only for the GPU lease.
     redis_user: str = ""
     redis_password: str = ""
     redis_password_file: str = ""

@@ -28,7 +28,7 @@ class ExecutorConfig(msgspec.Struct, forbid_unknown_fields=True):
     # shared secret comes from T2I_DATAPLANE_TOKEN or T2I_DATAPLANE_TOKEN_FILE (docs/dataplane.md).
     dataplane_timeout_s: float = 30.0
     dataplane_max_connections: int = 64
-    heartbeat_s: float = 1.0
+    heartbeat_s: float = 1.0  # how often the executor reports its state to the scheduler
     alloc_timeout_s: float = 30.0  # how long a full arena makes an output wait before failing
     # A node running longer fails (retryable, so it runs elsewhere); a real executor then exits for
     # its supervisor to restart it (its worker thread cannot be stopped). 0: no limit.
@@ -51,16 +51,16 @@ class ExecutorConfig(msgspec.Struct, forbid_unknown_fields=True):
     load_threads: int = 4
     load_chunk_mb: int = 16
     # Weights on the device (docs/memory.md): cached layer by layer, least recently used models'
-    # last layers evicted first. ``device_budget_mb`` bounds them (0: no bound on a CPU; on CUDA the
-    # GPU's free memory bounds them anyway); ``arena_weights`` is the share of the data-plane arena
+    # last layers evicted first. ``device_budget_mb`` bounds them (0: no bound of its own; on CUDA
+    # the device pool below bounds them anyway); ``arena_weights`` is the share of the data-plane arena
     # that cached weights may fill while communication does not need it (it takes them back).
     device_budget_mb: int = 0
+    arena_weights: float = 0.5
     # The device memory weights and activations share (docs/memory.md, "Device memory"): each model
     # runs with room for its profiled activations, others' layers evicted to make it. 0 (default):
     # on CUDA what the GPU has free when the executor starts (less 512 MiB); set it when several
     # executors share one GPU. Unused on the CPU.
     device_pool_mb: int = 0
-    arena_weights: float = 0.5
     # The unit cached weights are kept and evicted in (docs/scheduling.md, "Deployment modes"):
     # "layer" (ServerlessT2I: layer prefixes), or the paper's baselines "model" (MCache: whole models),
     # "workflow" (WCache: whole workflows, a copy of each model per workflow) and "none" (NoCache:

@@ -6,6 +6,7 @@ import msgspec
 
 
 class GatewayConfig(msgspec.Struct, forbid_unknown_fields=True):
+    # Where the OpenAI-compatible HTTP API listens (and its /metrics).
     host: str = "127.0.0.1"
     port: int = 8000
     # API keys: "key=tenant" pairs separated by commas; ":admin" after the tenant grants the

@@ -27,8 +27,8 @@ class SchedulerConfig(msgspec.Struct, forbid_unknown_fields=True):
     # push the others' requests back into JetStream (0: no limit). The counts are published to
     # ``{ns}:backlog`` for the gateway's per-tenant queued limit (intake.py).
     max_tenant_backlog: int = 5_000
-    max_node_retries: int = 2
-    max_restarts: int = 2
+    max_node_retries: int = 2  # a node that failed (retryably) runs again at most this often
+    max_restarts: int = 2  # a request whose inputs were lost restarts as a new attempt at most this often
     request_ttl_s: int = 86400  # how long request state stays in Redis after it ends
     # How often the leader broadcasts the attempts it has in progress (``LiveAttempts``): executors
     # free what they hold of any other (a lost release). 0: never.
