@@ -55,3 +55,7 @@ class SchedulerConfig(msgspec.Struct, forbid_unknown_fields=True):
     # A stall of the event loop longer than this is logged with the stack of the code that blocks
     # it (libs/common/watchdog.py); every stall is observed in t2i_scheduler_loop_lag_seconds.
     loop_report_s: float = 0.5
+    # A file to record the core's inputs to, one section per leadership, for replaying them into a
+    # fresh core without brokers (services/scheduler/replay.py; ``{pid}`` in it: this process's id).
+    # "" (default): nothing recorded.
+    record: str = ""

@@ -39,6 +39,7 @@ from libs.launcher.stack import Stack
 from libs.protocol.keys import Keys
 from libs.sim.workflows import sim_workflow
 from libs.workflow.spec import encode_spec
+from services.scheduler.replay import replay, sections
 from tests.support.http import generate
 from tests.support.stacks import sim_stack, started
 from tests.support.waiting import elapse_sync, until_sync
@@ -69,7 +70,13 @@ def stack(broker_urls, tmp_path):
         redis_url=redis_url,
         secure=True,
         extra_env={"T2I_EXECUTOR_ARENA_MB": "1024"},  # metadata only: a sim stores no bytes
-        scheduler_env={"T2I_SCHEDULER_LEASE_TTL_S": "2", "T2I_SCHEDULER_ACK_WAIT_S": "3"},
+        # Each scheduler process records its core's inputs (replayed at the end; kept with the
+        # test's files when it fails).
+        scheduler_env={
+            "T2I_SCHEDULER_LEASE_TTL_S": "2",
+            "T2I_SCHEDULER_ACK_WAIT_S": "3",
+            "T2I_SCHEDULER_RECORD": str(tmp_path / "scheduler-{pid}.rec"),
+        },
         gateway_env={"T2I_GATEWAY_REQUEST_TIMEOUT_S": "120"},
     )
     with started(s):
@@ -268,3 +275,15 @@ def test_crashes_of_an_executor_the_leader_and_the_gateway_lose_no_request(stack
     # so a crash in between hands the message to the next leader, which finds the result.
     assert not stuck, f"answered requests left non-final in Redis: {sorted(stuck)[:5]}"
     assert not short, f"measured service short of the answers' gpu_s: {short}"
+
+    # The whole run, every leadership of both scheduler processes (the SIGKILLed one's too, up to
+    # its last whole entry), replays into fresh cores in this process with the same effects.
+    recordings = sorted(stack.log_dir.parent.glob("scheduler-*.rec"))
+    assert len(recordings) >= 2, recordings
+    leaderships = 0
+    for path in recordings:
+        for section in sections(path):
+            leaderships += 1
+            _, mismatches = replay(section)
+            assert mismatches == [], (path.name, mismatches[:2])
+    assert leaderships >= 2  # the killed leader's and its successor's

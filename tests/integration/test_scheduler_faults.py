@@ -49,10 +49,9 @@ from services.executor.service import ExecutorService
 from services.executor.sim import SimRunner, SimStore
 from services.registry.service import RegistryService
 from services.registry.store import WorkflowStore
+from services.scheduler.__main__ import build_core
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.core import SchedulerCore
 from services.scheduler.lease import Lease
-from services.scheduler.policy import get_policy
 from services.scheduler.service import SchedulerService
 from services.scheduler.succession import Succession
 from tests.support.waiting import elapse, until
@@ -249,14 +248,7 @@ class World:
         own(stack, nc.close, "nats")
         redis = connect_redis(redis_url)
         own(stack, redis.aclose, "redis")
-        core = SchedulerCore(
-            get_policy(cfg.policy, cfg.slack_s),
-            heartbeat_timeout_s=cfg.heartbeat_timeout_s,
-            max_node_retries=cfg.max_node_retries,
-            max_restarts=cfg.max_restarts,
-            node_time_limit_s=cfg.node_time_limit_s,
-            node_time_factor=cfg.node_time_factor,
-        )
+        core = build_core(stack, cfg)  # as python -m services.scheduler builds it (recorded with ``record``)
         timeout_s = min(1.0, cfg.lease_ttl_s / 3)
         lease = Lease(
             lambda: connect_redis_sync(redis_url, timeout_s), self.keys, cfg.lease_ttl_s, cfg.lease_poll_s
