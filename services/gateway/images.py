@@ -20,7 +20,6 @@ anyone else it does not exist (404, never 403).
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import logging
 import re
@@ -41,6 +40,7 @@ from services.gateway import jobs, webhooks
 from services.gateway.auth import Principal
 from services.gateway.body import BUS_PAYLOAD_LIMIT, json_object, read_json, too_large
 from services.gateway.bridge import Bridge
+from services.gateway.calls import result_items
 from services.gateway.context import (
     ADMISSION,
     BRIDGE,
@@ -326,32 +326,6 @@ async def answer(
     if rec.size:
         body["size"] = rec.size
     return web.json_response(body, headers={REQUEST_ID_HEADER: rec.id})
-
-
-async def result_items(
-    request: web.Request, rec: GenerationRecord, results: list[RequestResult], stale: bool
-) -> list[dict[str, Any]]:
-    cfg, bridge = request.app[CONFIG], request.app[BRIDGE]
-    data = []
-    for rid, seed, result in zip(rec.request_ids, rec.seeds, results, strict=True):
-        ref = next(iter(result.images.values()))
-        item: dict[str, Any] = {}
-        if rec.response_format == "url":
-            base = cfg.public_url.rstrip("/") or f"{request.scheme}://{request.host}"
-            name = ref.name.removesuffix(".png") + "." + rec.output_format  # image_file transcodes
-            item["url"] = f"{base}/v1/images/files/{name}"
-        else:
-            png = await bridge.fetch_image(ref, delete=False)  # kept (1 h) for retries and lookups
-            if png is None and stale:
-                raise ApiError(410, f"the images of {rec.id} have expired (kept 1 h)", code="expired")
-            if png is None:
-                raise ApiError(500, f"image of {rid} is missing from the object store", code="internal")
-            png = await transcode(png, rec.output_format, rec.output_compression, request.app[DECODE_SLOTS])
-            item["b64_json"] = base64.b64encode(png).decode()
-        if seed is not None:
-            item["seed"] = seed
-        data.append(item)
-    return data
 
 
 # -- GET /v1/requests/{id} ------------------------------------------------------------------------------

@@ -41,10 +41,11 @@ from redis.exceptions import RedisError
 from libs.protocol.messages import RequestResult
 from services.gateway.auth import TENANT
 from services.gateway.bridge import Bridge
+from services.gateway.calls import result_items
 from services.gateway.context import BRIDGE, CONFIG, PRINCIPAL, RECORDS, TASKS
 from services.gateway.errors import ApiError
 from services.gateway.records import GenerationRecord
-from services.gateway.results import ImageState, error_of, overall, usage_of
+from services.gateway.results import call_status, error_of, usage_of
 from services.gateway.webhooks import Webhooks
 
 log = logging.getLogger(__name__)
@@ -91,14 +92,6 @@ class Origin:
     host: str
 
 
-def call_status(states: list[ImageState]) -> str:
-    """One status for a call: ``cancelled`` once a cancelled call's images have all ended (until
-    then ``running``); otherwise as :func:`results.overall`."""
-    if any(s.status == "cancelled" for s in states):
-        return "cancelled" if all(s.result is not None for s in states) else "running"
-    return overall(states)
-
-
 async def status_object(
     origin: web.Request | Origin, rec: GenerationRecord, with_data: bool = True
 ) -> dict[str, Any]:
@@ -120,9 +113,7 @@ async def status_object(
         "usage": usage_of(results),
     }
     if status == "succeeded" and with_data:
-        from services.gateway import images  # images imports this module
-
-        out["data"] = await images.result_items(origin, rec, results, stale=True)  # type: ignore[arg-type]
+        out["data"] = await result_items(origin, rec, results, stale=True)  # type: ignore[arg-type]
     elif status in ("failed", "cancelled"):
         rid, ended = next((r, s) for r, s in zip(rec.request_ids, states, strict=True) if s.status == status)
         err = error_of(ended.result, rid, rec.timeout_s, rec.loras)

@@ -66,13 +66,16 @@ class ImageState:
     result: RequestResult | None = None  # set once the request has ended
 
 
-def overall(states: list[ImageState]) -> Status:
-    """One status for a call's images: failed if any failed, succeeded when all did."""
+def call_status(states: list[ImageState]) -> Status:
+    """One status for a call's images (the only place they are combined): a call with a cancelled
+    image is ``cancelled`` once all its images have ended (``running`` until then: the others are
+    being stopped); otherwise ``failed`` if any failed, ``succeeded`` when all did, ``running`` while
+    any runs or is done, else ``queued``."""
     kinds = {s.status for s in states}
+    if "cancelled" in kinds:
+        return "cancelled" if all(s.result is not None for s in states) else "running"
     if "failed" in kinds:
         return "failed"
-    if "cancelled" in kinds and kinds <= {"cancelled", "succeeded"}:
-        return "cancelled"
     if kinds == {"succeeded"}:
         return "succeeded"
     if kinds & {"running", "succeeded"}:
