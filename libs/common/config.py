@@ -38,12 +38,3 @@ def load_config(cls: type[T], prefix: str, env: Mapping[str, str] | None = None,
         return msgspec.convert(raw, cls, strict=False)
     except msgspec.DecodeError as e:
         raise ConfigError(f"bad setting under {prefix}*: {e}") from None
-
-
-def describe(cls: type[msgspec.Struct], prefix: str) -> list[tuple[str, Any]]:
-    """(variable, default) pairs, for ``--help`` output and docs."""
-    out = []
-    for f in msgspec.structs.fields(cls):
-        default = f.default if f.default is not msgspec.NODEFAULT else None
-        out.append((prefix + f.name.upper(), default))
-    return out

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Literal
 from urllib.parse import quote, urlsplit, urlunsplit
 
 import msgspec
@@ -37,7 +38,7 @@ class CommonSettings(msgspec.Struct, forbid_unknown_fields=True):
     namespace: str = "t2i"
     log_level: str = "INFO"
     # Logs: "json" (one object per line) or "console"; "" picks json unless stderr is a terminal.
-    log_format: str = ""
+    log_format: Literal["", "json", "console"] = ""
     # Where the scheduler, registry and executors serve ``/metrics`` (docs/observability.md):
     # port 0 picks a free one (logged as ``metrics_url``), -1 serves none. The gateway serves its
     # metrics on its own port.

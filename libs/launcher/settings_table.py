@@ -84,9 +84,8 @@ def rows_of(cls: type[msgspec.Struct]) -> list[Row]:
         while above >= 1 and lines[above - 1].strip().startswith("#"):
             block.insert(0, comments.get(above, ""))
             above -= 1
-        trailing = (
-            comments.get(node.end_lineno or line, "") if not lines[line - 1].strip().startswith("#") else ""
-        )
+        # A comment on the field's own line(s) (a long one may be wrapped over several).
+        trailing = " ".join(comments[n] for n in range(line, (node.end_lineno or line) + 1) if n in comments)
         own = " ".join(block)
         blank_before = above >= 1 and not lines[above - 1].strip()
         if not own and not trailing and rows and not blank_before:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
 
 
@@ -14,7 +16,7 @@ class ExecutorConfig(msgspec.Struct, forbid_unknown_fields=True):
     # "auto" (default: "cuda_ipc" on a CUDA device, "shm" on the CPU), "shm" (one host, host memory),
     # "cuda_ipc" (a GPU box: a device arena, GPU-to-GPU pulls between its executors), "tcp" (across
     # hosts/containers) or "nvshmem" (a GPU box as one NVSHMEM world; CUDA IPC while it cannot form).
-    transport: str = "auto"
+    transport: Literal["auto", "shm", "tcp", "cuda_ipc", "nvshmem"] = "auto"
     # The box's NVSHMEM world (transport "nvshmem"): its size (every executor of the box, ranks from
     # the GPU lease) and generation (a new one for a world started again: worlds are fixed).
     nvshmem_world: int = 0
@@ -66,7 +68,7 @@ class ExecutorConfig(msgspec.Struct, forbid_unknown_fields=True):
     # "workflow" (WCache: whole workflows, a copy of each model per workflow) and "none" (NoCache:
     # nothing stays once a request ends). "" (default): from T2I_SCHEDULER_DEPLOYMENT when set (the
     # same setting, ours|mcache|wcache|nocache, read by both services), else "layer".
-    cache_mode: str = ""
+    cache_mode: Literal["", "layer", "model", "workflow", "none"] = ""
     # Component dtype per model name (as in specs): "tiny-flux=bfloat16,*=float16"; "*" for every
     # other model; unset: the family's default on the device (bf16/fp16 on CUDA, libs.models.families;
     # as saved on the CPU: the tiny CPU models stay fp32, bitwise equal to diffusers).
@@ -84,7 +86,7 @@ class ExecutorConfig(msgspec.Struct, forbid_unknown_fields=True):
     # How long the registry trusts this process's ModelFn advertisement (resent every third of it).
     advertise_ttl_s: float = 300.0
     # Simulation: "sim" replays profiled times instead of computing (no torch needed).
-    mode: str = "real"  # "real" | "sim"
+    mode: Literal["real", "sim"] = "real"  # "sim": simulated executors replaying a profile (no torch)
     sim_count: int = 1  # simulated executors (GPUs) in this process
     sim_profile: str = "paper-h800"  # a shipped profile name (libs/sim/profiles) or a JSON path
     sim_time_scale: float = 1.0  # <1 replays faster than real time; reported times are unscaled

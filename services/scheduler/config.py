@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
 
 
 class SchedulerConfig(msgspec.Struct, forbid_unknown_fields=True):
-    policy: str = "fair"  # "fair" (Algorithm 1), or the baselines "fifo", "sjf", "vtc"
+    # "fair" (Algorithm 1), or the baselines "fifo", "sjf", "vtc".
+    policy: Literal["fair", "fifo", "sjf", "vtc"] = "fair"
     # "ours" (per-node dispatch), or the paper's baselines (§8.1) "nocache", "wcache", "mcache": each
     # request runs whole on one executor, held exclusively (deployment.py; docs/scheduling.md).
     # Executors read it too, for their cache granularity (unless T2I_EXECUTOR_CACHE_MODE is set).
-    deployment: str = "ours"
+    deployment: Literal["ours", "nocache", "wcache", "mcache"] = "ours"
     slack_s: float = 5.0  # the fair policy's Δ: vTime a tenant may lead the least-served one by
     tick_s: float = 0.2  # how often deadlines and executor liveness are checked
     heartbeat_timeout_s: float = 5.0  # an executor silent this long is gone
