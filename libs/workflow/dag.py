@@ -205,3 +205,35 @@ def unroll(
         successors=successors,
         cb_successors=cb_successors,
     )
+
+
+def workflow_dag(spec: WorkflowSpec, given: Mapping[str, object], max_nodes: int) -> Dag:
+    """``spec`` unrolled for the parameters ``given`` (checked against their specs; defaults filled;
+    a required one not given stood in for: only loop counts shape the DAG), refusing one that would
+    have more than ``max_nodes`` nodes before building it (ParamError naming the loop's parameter).
+    What a drawing of a request needs, without a request."""
+    from libs.workflow.params import check_param
+
+    params: dict[str, Scalar] = {}
+    for name, value in given.items():
+        p = spec.params.get(name)
+        if p is None:
+            known = ", ".join(sorted(spec.params)) or "none"
+            raise ParamError(name, f"not a parameter of workflow {spec.name!r} (parameters: {known})")
+        params[name] = check_param(name, p, value)
+    for name, p in spec.params.items():
+        if name not in params:
+            params[name] = (
+                p.default
+                if p.default is not None
+                else {"int": 1, "float": 0.0, "bool": False}.get(p.type, "")
+            )
+    for name, value in params.items():
+        if spec.params[name].type == "int" and isinstance(value, int) and value > max_nodes:
+            raise ParamError(name, f"{value} is more than a drawable DAG's {max_nodes} nodes")
+    dag = unroll(spec, params)
+    if len(dag.nodes) > max_nodes:
+        raise ParamError(
+            next(iter(spec.params), "params"), f"the DAG has {len(dag.nodes)} nodes, over {max_nodes}"
+        )
+    return dag

@@ -13,6 +13,7 @@
 | ``POST /v1/loras`` | admin | register a LoRA (name -> safetensors path under the model root) |
 | ``GET /v1/loras``, ``GET /v1/loras/{name}`` | tenant | list / look up LoRAs (names and descriptions, never paths) |
 | ``GET /v1/workflows``, ``GET /v1/workflows/{name}`` | tenant | list / look up workflows |
+| ``GET /v1/workflows/{name}/dag`` | tenant | the workflow unrolled for ``?params=`` (the console's drawing) |
 | ``GET /v1/admin/tenants`` | admin | per-tenant vTime, service, queued/running counts |
 | ``GET``/``PUT /v1/admin/tenants/{tenant}/limits`` | admin | a tenant's queued limit and GPU-second quota, and overrides of them (``limits.py``) |
 | ``GET /healthz`` | anyone | the process is up |
@@ -47,6 +48,8 @@ from libs.common.runner import close_quietly
 from libs.common.settings import CommonSettings
 from libs.protocol.keys import Keys
 from libs.protocol.subjects import Subjects
+from libs.workflow.dag import workflow_dag
+from libs.workflow.errors import ParamError
 from libs.workflow.spec import encode_spec
 from services.gateway import console, images, jobs, loras, models, observe, openapi
 from services.gateway.admission import Admission
@@ -161,6 +164,36 @@ async def get_workflow(request: web.Request) -> web.Response:
     except WorkflowNotFound as e:
         raise ApiError(404, str(e), param="name", code="model_not_found") from None
     return web.json_response({"workflow": json.loads(encode_spec(spec))})
+
+
+#: A DAG the console may ask for: beyond this many nodes the drawing is not readable anyway.
+MAX_DAG_NODES = 2000
+
+
+async def get_workflow_dag(request: web.Request) -> web.Response:
+    """The workflow unrolled for ``params`` (a JSON object in the query; loop counts and the rest,
+    defaults filled, required ones it does not name stood in for): the nodes the scheduler would
+    run, with the ids its events carry, so the console draws them instead of unrolling the spec
+    again. Node ids, ModelFns and models only: no parameter value is echoed."""
+    name = request.match_info["name"]
+    try:
+        given = json.loads(request.query.get("params", "{}"))
+    except ValueError:
+        raise ApiError(422, "params: must be a JSON object", param="params", code="invalid_value") from None
+    if not isinstance(given, dict):
+        raise ApiError(422, "params: must be a JSON object", param="params", code="invalid_value")
+    spec = await images.lookup_workflow(request.app[BRIDGE], name, param="name")
+    try:
+        dag = workflow_dag(spec, given, MAX_DAG_NODES)
+    except ParamError as e:
+        raise ApiError(
+            422, f"params.{e.field}: {e.message}", param=f"params.{e.field}", code="invalid_value"
+        ) from None
+    nodes = [
+        {"id": n.id, "fn": n.fn, "model": n.model, "deps": sorted(n.deps), "callbacks": sorted(n.cb_deps)}
+        for n in dag.nodes.values()
+    ]
+    return web.json_response({"workflow": spec.name, "version": spec.version, "nodes": nodes})
 
 
 # -- LoRA adapters ---------------------------------------------------------------------------------------
@@ -286,6 +319,7 @@ def make_app(cfg: GatewayConfig, common: CommonSettings, keys: ApiKeys) -> web.A
     app.router.add_get("/v1/models", models.list_models)
     app.router.add_get("/v1/models/{id}", models.get_model)
     app.router.add_get("/v1/workflows/{name}", get_workflow)
+    app.router.add_get("/v1/workflows/{name}/dag", get_workflow_dag)
     app.router.add_post("/v1/loras", register_lora)
     app.router.add_get("/v1/loras", list_loras)
     app.router.add_get("/v1/loras/{name}", get_lora)

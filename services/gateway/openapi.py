@@ -59,6 +59,9 @@ LAST_EVENT = Query("Last-Event-ID", "resume the event stream after this event id
 LIMIT = Query("limit", "at most this many calls (default 20)", {"type": "integer", "minimum": 1})
 TENANT = Query("tenant", "admin keys only: another tenant's calls, or `*` for all")
 VERSION = Query("version", "a version number (default: the latest)", {"type": "integer", "minimum": 1})
+PARAMS = Query(
+    "params", "the parameters as a JSON object (loop counts shape the DAG; default: the workflow's)"
+)
 
 OPERATIONS: dict[tuple[str, str], Op] = {
     ("POST", "/v1/images/generations"): Op(
@@ -98,6 +101,11 @@ OPERATIONS: dict[tuple[str, str], Op] = {
     ),
     ("GET", "/v1/workflows"): Op("List workflows", ok=s.WorkflowList),
     ("GET", "/v1/workflows/{name}"): Op("A workflow spec", ok=s.WorkflowAnswer, query=(VERSION,)),
+    ("GET", "/v1/workflows/{name}/dag"): Op(
+        "The workflow unrolled for some parameters: the nodes a request would run",
+        ok=s.WorkflowDag,
+        query=(PARAMS,),
+    ),
     ("POST", "/v1/loras"): Op(
         "Register a LoRA adapter", who="admin", body=s.LoraRegistration, ok=s.LoraAnswer
     ),

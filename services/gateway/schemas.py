@@ -153,6 +153,20 @@ class WorkflowAnswer(msgspec.Struct, kw_only=True):
     created: bool | UnsetType = UNSET  # a registration: a new version (201) or the same (200)
 
 
+class DagNodeView(msgspec.Struct, kw_only=True):
+    id: str  # as the scheduler's node events name it: "dit@3", "x@1.2"
+    fn: str
+    model: str
+    deps: list[str]  # nodes whose outputs it waits for
+    callbacks: list[str]  # nodes it may start beside, fetching their outputs part-way (callbacks)
+
+
+class WorkflowDag(msgspec.Struct, kw_only=True):
+    workflow: str
+    version: int
+    nodes: list[DagNodeView]
+
+
 class LoraRegistration(msgspec.Struct, kw_only=True):
     name: str
     path: str  # a safetensors file under the executors' model root

@@ -211,54 +211,44 @@ def test_cancel_from_the_playground_stops_the_call(stack, page):
     assert not page.errors, page.errors  # type: ignore[attr-defined]
 
 
-NESTED = {
-    "name": "nested",
-    "body": [
-        {"type": "call", "id": "a", "fn": "f", "inputs": {"x": "param:p"}},
-        {
-            "type": "loop",
-            "id": "outer",
-            "count": "param:k",
-            "carry": {"v": "a.y"},
-            "update": {"v": "inner.v"},
-            "body": [
-                {
-                    "type": "loop",
-                    "id": "inner",
-                    "count": 2,
-                    "carry": {"v": "var:v"},
-                    "update": {"v": "b.y"},
-                    "body": [{"type": "call", "id": "b", "fn": "g", "inputs": {"x": "var:v", "z": "a.y"}}],
-                },
-                {"type": "call", "id": "c", "fn": "h", "inputs": {"x": "inner.v"}},
-            ],
-        },
-        {"type": "call", "id": "d", "fn": "f", "inputs": {"x": "outer.v"}},
-    ],
-    "outputs": {"image": "d.y"},
-    "params": {"p": {"type": "int", "default": 0}, "k": {"type": "int", "default": 3}},
-}
-
-
-def test_the_page_unrolls_specs_as_the_scheduler_does(stack, page):
-    """The boxes the page draws carry the node ids of the scheduler's events (libs/workflow/dag.py)."""
+def test_the_page_draws_the_dag_the_gateway_unrolls_as_the_scheduler_does(stack, page):
+    """The boxes the page draws are the gateway's unrolling of the workflow (GET
+    /v1/workflows/{name}/dag: libs/workflow/dag.py, the scheduler's), not a second one in the page:
+    their ids are the ones the scheduler's events carry."""
     from libs.workflow.dag import unroll
-    from libs.workflow.spec import decode_spec
 
+    spec = sim_workflow("console-wf", "console", steps=STEPS)
     page.goto(stack.url + "/console")
     page.wait_for_selector("#gen-form")
-    specs = [
-        (json.loads(encode_spec(sim_workflow("w", "m", steps=5))), {"num_inference_steps": 5}),
-        (NESTED, {"k": 3}),
-    ]
-    for spec, counts in specs:
-        params = {n: p.get("default") for n, p in spec["params"].items()} | counts
-        want = [(n.id, sorted(n.deps)) for n in unroll(decode_spec(json.dumps(spec)), params).nodes.values()]
+    page.evaluate(
+        "k => { T2IDag.setFetcher((p) => fetch(p, {headers: {Authorization: `Bearer ${k}`}}).then(async r => ({status: r.status, data: await r.json()}))); }",
+        "sk-alice",
+    )
+    for steps in (2, 5):
+        params = {n: p.default for n, p in spec.params.items()} | {"num_inference_steps": steps}
+        want = [(n.id, sorted(n.deps | n.cb_deps)) for n in unroll(spec, params).nodes.values()]
         got = page.evaluate(
-            "([s, c]) => T2IDag.unroll(s, c).map(n => [n.id, [...n.deps].sort()])", [spec, counts]
+            "c => T2IDag.fetchNodes('console-wf', c).then(ns => ns.map(n => [n.id, [...n.deps].sort()]))",
+            {"num_inference_steps": steps},
         )
         assert [tuple(x) for x in got] == want
+    # What the route refuses: a parameter the workflow lacks, a loop too long to draw, bad JSON.
+    status, _, body = call(
+        stack, "GET", "/v1/workflows/console-wf/dag?params=%7B%22nope%22%3A1%7D", "sk-alice"
+    )
+    assert status == 422 and b"params.nope" in body
+    status, _, body = call(
+        stack,
+        "GET",
+        "/v1/workflows/console-wf/dag?params=%7B%22num_inference_steps%22%3A100000%7D",
+        "sk-alice",
+    )
+    assert status == 422, body
+    assert call(stack, "GET", "/v1/workflows/console-wf/dag?params=%5B", "sk-alice")[0] == 422
+    assert call(stack, "GET", "/v1/workflows/nowhere/dag", "sk-alice")[0] == 404
     # A request's loop count, from its node events when the page did not submit it.
     events = [{"type": "node", "node_id": "dit@2", "steps": 6, "done": 5, "total": 9}]
-    counts = page.evaluate("([s, e]) => T2IDag.loopCounts(s, e, null)", [specs[0][0], events])
+    counts = page.evaluate(
+        "([s, e]) => T2IDag.loopCounts(s, e, null)", [json.loads(encode_spec(spec)), events]
+    )
     assert counts == {"num_inference_steps": 6}

@@ -310,3 +310,21 @@ def test_composition_errors_are_caught_early():
             Decode()()
         with pytest.raises(CompositionError, match="no output"):
             wf.spec()
+
+
+def test_a_workflow_dag_for_drawing_fills_defaults_stands_in_for_required_params_and_is_bounded():
+    from libs.sim.workflows import sim_workflow
+    from libs.workflow.dag import unroll, workflow_dag
+    from libs.workflow.errors import ParamError
+
+    spec = sim_workflow("w", "m", steps=3)
+    assert spec.params["prompt"].required  # not given: stood in for (it shapes nothing)
+    dag = workflow_dag(spec, {"num_inference_steps": 4}, max_nodes=100)
+    full = {n: p.default for n, p in spec.params.items()} | {"prompt": "x", "num_inference_steps": 4}
+    assert list(dag.nodes) == list(unroll(spec, full).nodes)
+    with pytest.raises(ParamError, match="nope"):
+        workflow_dag(spec, {"nope": 1}, max_nodes=100)
+    with pytest.raises(ParamError, match="num_inference_steps"):
+        workflow_dag(spec, {"num_inference_steps": "four"}, max_nodes=100)
+    with pytest.raises(ParamError, match="over 10"):
+        workflow_dag(spec, {"num_inference_steps": 9}, max_nodes=10)

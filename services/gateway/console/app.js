@@ -38,6 +38,7 @@
     if (!resp.ok) throw new ApiError(resp.status, data);
     return { status: resp.status, data, headers: resp.headers };
   }
+  window.T2IDag.setFetcher((path) => api("GET", path));
 
   // Reads a text/event-stream response body, calling onEvent({id, event, data}) per event.
   async function readEvents(resp, onEvent, signal) {

@@ -1,6 +1,7 @@
-// A request's DAG and node timings, drawn from its workflow spec and its node events.
-// The unrolling mirrors libs/workflow/dag.py (node ids "dit@3", nested loops "x@1.2"), so the ids
-// the scheduler puts in its events name the boxes drawn here. Everything is built with DOM calls
+// A request's DAG and node timings, drawn from the gateway's unrolling of its workflow and its node
+// events: the nodes come from GET /v1/workflows/{name}/dag (the scheduler's unrolling, node ids
+// "dit@3", nested loops "x@1.2"), so the ids the scheduler puts in its events name the boxes drawn
+// here; nothing is unrolled twice. Everything is built with DOM calls
 // and textContent: event fields come from the server and are never parsed as HTML.
 "use strict";
 
@@ -57,59 +58,43 @@
     return counts;
   }
 
-  // The unrolled nodes of `spec` with loop-count parameters `counts`: [{id, fn, model, deps}].
-  function unroll(spec, counts) {
-    const nodes = [];
-    const param = (ref) => ref.slice("param:".length);
+  // The unrolled nodes of a workflow for loop counts `counts`, as the gateway serves them
+  // (GET /v1/workflows/{name}/dag: the scheduler's own unrolling, libs/workflow/dag.py), so the ids
+  // drawn are the ones the node events carry. Fetched once per (workflow, counts); `redraw` runs
+  // when they arrive. null until then (or if the gateway has none): the caller draws from events.
+  let fetcher = null; // set by the page: path -> Promise<{status, data}>
+  const dags = new Map(); // "name?counts" -> [{id, fn, model, deps}] | "pending" | "failed"
 
-    function resolve(ref, env, names) {
-      if (ref.startsWith("param:")) return null;
-      if (ref.startsWith("var:")) return env[ref.slice(4)] || null;
-      const dot = ref.indexOf(".");
-      const target = names[ref.slice(0, dot)];
-      if (target === undefined) return null;
-      if (typeof target === "object") return target[ref.slice(dot + 1)] || null; // a loop's result
-      return target;
+  function setFetcher(fn) {
+    fetcher = fn;
+  }
+
+  function dagPath(name, counts) {
+    return `/v1/workflows/${encodeURIComponent(name)}/dag?params=${encodeURIComponent(JSON.stringify(counts))}`;
+  }
+
+  function fetchNodes(name, counts) {
+    return fetcher(dagPath(name, counts)).then((r) => {
+      if (r.status !== 200 || !r.data || !Array.isArray(r.data.nodes)) throw new Error(`dag: ${r.status}`);
+      return r.data.nodes.map((n) => ({
+        id: String(n.id), fn: String(n.fn), model: String(n.model || ""),
+        deps: [...(n.deps || []), ...(n.callbacks || [])].map(String),
+      }));
+    });
+  }
+
+  function served(spec, counts, redraw) {
+    const key = `${spec.name}?${JSON.stringify(counts)}`;
+    const got = dags.get(key);
+    if (Array.isArray(got)) return got;
+    if (got === undefined && fetcher && spec.name) {
+      dags.set(key, "pending");
+      fetchNodes(spec.name, counts).then(
+        (nodes) => { dags.set(key, nodes.slice(0, MAX_NODES + 1)); redraw(); },
+        () => dags.set(key, "failed"),
+      );
     }
-
-    function run(ops, env, suffix, outer) {
-      const names = Object.assign({}, outer);
-      for (const op of ops) {
-        if (nodes.length > MAX_NODES) break;
-        if (op.type === "loop") {
-          names[op.id] = runLoop(op, env, suffix, names);
-          continue;
-        }
-        const id = op.id + suffix;
-        const deps = new Set();
-        for (const ref of Object.values(op.inputs || {})) {
-          const src = resolve(ref, env, names);
-          if (src) deps.add(src);
-        }
-        nodes.push({ id, fn: op.fn, model: op.model || "", deps: [...deps] });
-        names[op.id] = id;
-      }
-      return names;
-    }
-
-    function runLoop(op, env, suffix, names) {
-      let count = typeof op.count === "number" ? op.count : counts[param(String(op.count))] || 1;
-      count = Math.min(count, MAX_NODES);
-      let carried = {};
-      for (const [k, ref] of Object.entries(op.carry || {})) carried[k] = resolve(ref, env, names);
-      for (let i = 0; i < count; i++) {
-        const innerEnv = Object.assign({}, env, carried);
-        const innerSuffix = suffix ? `${suffix}.${i}` : `@${i}`;
-        const innerNames = run(op.body || [], innerEnv, innerSuffix, names);
-        const next = {};
-        for (const [k, ref] of Object.entries(op.update || {})) next[k] = resolve(ref, innerEnv, innerNames);
-        carried = next;
-      }
-      return carried;
-    }
-
-    run(spec.body || [], {}, "", {});
-    return nodes;
+    return null;
   }
 
   // Without a spec (or when its ids do not match the events): the nodes the events name, in order.
@@ -248,17 +233,17 @@
 
   // Draw `events` over `spec` (either may be missing) into the DAG and timing hosts.
   function show(dagHost, timingHost, spec, events, images, params) {
-    let nodes = [];
+    let nodes = null;
     if (spec) {
-      nodes = unroll(spec, loopCounts(spec, events, params));
-      const ids = new Set(nodes.map((n) => n.id));
-      if ((events || []).some((e) => e.type === "node" && !ids.has(e.node_id))) nodes = fromEvents(events);
-    } else {
-      nodes = fromEvents(events || []);
+      const redraw = () => show(dagHost, timingHost, spec, events, images, params);
+      nodes = served(spec, loopCounts(spec, events, params), redraw);
+      const ids = new Set((nodes || []).map((n) => n.id));
+      if (nodes && (events || []).some((e) => e.type === "node" && !ids.has(e.node_id))) nodes = null;
     }
+    if (!nodes) nodes = fromEvents(events || []);
     render(dagHost, nodes, events, images);
     timings(timingHost, events);
   }
 
-  window.T2IDag = { unroll, loopCounts, render, timings, show };
+  window.T2IDag = { setFetcher, fetchNodes, loopCounts, render, timings, show };
 })();
