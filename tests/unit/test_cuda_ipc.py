@@ -223,3 +223,14 @@ def test_cached_weights_live_in_the_device_arena_and_an_output_takes_them_back(n
             assert not any(s.where == "arena" for s in slots)
     finally:
         t.close()
+
+
+def test_a_cuda_ipc_handle_keeps_all_its_bytes_through_the_record():
+    """cudaIpcMemHandle_t holds NUL bytes: read as a ctypes char array it would be cut at the first
+    one, and the peer would open garbage (found by reading the code: no GPU here)."""
+    from libs.dataplane.transport.ipc import handle_bytes, handle_of
+
+    raw = bytes([7, 0, 0, 3]) + bytes(58) + bytes([0, 9])
+    assert handle_bytes(handle_of(raw)) == raw and len(raw) == 64
+    with pytest.raises(ValueError, match="64 bytes"):
+        handle_of(raw[:63])

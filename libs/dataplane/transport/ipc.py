@@ -185,6 +185,19 @@ class _IpcHandle(ctypes.Structure):
     _fields_ = [("reserved", ctypes.c_char * _IPC_HANDLE_BYTES)]
 
 
+def handle_bytes(handle: _IpcHandle) -> bytes:
+    """A ``cudaIpcMemHandle_t``'s 64 bytes. Not ``handle.reserved``: a ``c_char`` array field reads
+    as a C string, cut at the first NUL, and handles have NULs in them."""
+    return bytes(handle)
+
+
+def handle_of(data: bytes) -> _IpcHandle:
+    """The ``cudaIpcMemHandle_t`` of 64 exported bytes (NULs included)."""
+    if len(data) != _IPC_HANDLE_BYTES:
+        raise ValueError(f"a CUDA IPC handle is {_IPC_HANDLE_BYTES} bytes, not {len(data)}")
+    return _IpcHandle.from_buffer_copy(data)
+
+
 def _load_cudart() -> ctypes.CDLL:
     """The CUDA runtime library torch is linked with (found among this process's mappings once
     torch initialised CUDA), else the first of the usual names that loads."""
@@ -304,7 +317,7 @@ class CudaBackend(DeviceBackend):
                 raise
         uuid = str(self.torch.cuda.get_device_properties(self.index).uuid)
         return _CudaMemory(
-            self, self.index, int(ptr.value or 0), capacity, bytes(handle.reserved), uuid, ours=True
+            self, self.index, int(ptr.value or 0), capacity, handle_bytes(handle), uuid, ours=True
         )
 
     def open(self, handle: bytes, uuid: str, capacity: int) -> Memory:
@@ -316,8 +329,7 @@ class CudaBackend(DeviceBackend):
                 uuid,
                 "the producer's GPU is not visible to this process (every executor of a box must see every GPU)",
             )
-        raw = _IpcHandle()
-        raw.reserved = handle
+        raw = handle_of(handle)
         ptr = ctypes.c_void_p()
         with self.torch.cuda.device(index):  # the mapping lives on the producer's GPU
             try:
