@@ -383,11 +383,19 @@ def main() -> int:
         "device": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu",
         "size": args.size, "steps": args.steps, "dtype": args.dtype, "runs": args.runs, "skipped": {},
     }  # fmt: skip
+    out_path = Path(args.json)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:  # after every step: a run cut short by its time limit keeps what it measured
+        out_path.write_text(json.dumps(result, indent=1, default=str))
+
     built = build(args, work / NAME, log)
     pipe = built.pop("pipe")
     result["model"] = built
+    save()
     mono_s, mono_image = monolithic(pipe, args)
     result["monolithic_s"] = mono_s
+    save()
     log(f"monolithic: {statistics.median(mono_s):.2f} s")
     del pipe
     gc.collect()
@@ -424,8 +432,8 @@ def main() -> int:
             result["load_vs_safetensors"] = got["load_vs_safetensors"]
         else:
             result["prefix"] = got
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(result, indent=1, default=str))
+        save()
+    save()
     log(
         f"wrote {args.json}: "
         + json.dumps(
