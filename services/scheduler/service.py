@@ -133,6 +133,7 @@ class SchedulerService:
         self._schedule_due = False  # a scheduling round is queued for this loop iteration
         self._tasks: set[asyncio.Task] = set()
         self._finishing: set[asyncio.Task] = set()  # results being published, acked and stored
+        self.finishing: dict[str, Msg] = {}  # their intake messages, kept alive until acked
         self._subs: list = []
         self._pull: JetStreamContext.PullSubscription | None = None
         self.forged_events = 0  # events dropped: their ``executor`` was not their subject's sender
@@ -444,28 +445,19 @@ class SchedulerService:
             await self.nc.publish(self.subjects.result(rid), data)
         except Exception as ex:  # noqa: BLE001 - the gateway also polls Redis for it
             log.warning("publishing the result of %s failed: %s; it goes to Redis", rid, ex)
-        keep_alive = asyncio.create_task(self._keep_alive(m)) if m is not None else None
+        if m is not None:
+            self.finishing[rid] = m  # kept alive by progress_loop, as while it was taken in or ran
         try:
             if flushed is not None:
                 await flushed.wait()
             await self._store_result(result, tenant, data)
         finally:
-            if keep_alive is not None:
-                keep_alive.cancel()
+            self.finishing.pop(rid, None)
         if m is not None and self.leading:
             try:
                 await retry_transient(m.ack, f"acking {rid}", backoff=self._backoff(), give_up_after_s=10.0)
             except Exception as ex:  # noqa: BLE001 - a redelivery finds the result in Redis
                 log.warning("ack of %s failed: %s", rid, ex)
-
-    async def _keep_alive(self, m: Msg) -> None:
-        """``in_progress`` on ``m`` every third of the ack wait, until cancelled."""
-        while True:
-            await asyncio.sleep(max(0.5, self.cfg.ack_wait_s / 3))
-            try:
-                await m.in_progress()
-            except Exception as ex:  # noqa: BLE001 - a redelivery finds the result in Redis
-                log.debug("keep-alive of a finished request failed: %s", ex)
 
     async def _store_result(self, result: RequestResult, tenant: str, data: bytes) -> None:
         rid = result.request_id
@@ -553,8 +545,9 @@ class SchedulerService:
         """Keep intake messages from being redelivered while their request is taken in or runs."""
         while True:
             await asyncio.sleep(self.cfg.ack_wait_s / 3)
-            # Every request taken in and not answered yet: running, or its take-in retrying.
-            for rid, m in list(self.intake.handles.items()):
+            # Every request taken in and not acked yet: its take-in retrying, queued, running, or
+            # its end being made durable (``_finish``). The one keep-alive of intake messages.
+            for rid, m in [*self.intake.handles.items(), *self.finishing.items()]:
                 try:
                     await m.in_progress()
                 except Exception as e:  # noqa: BLE001
