@@ -12,22 +12,23 @@ from __future__ import annotations
 
 import argparse
 import base64
-import os
 import signal
 import sys
 import time
 from pathlib import Path
 
+from libs.common.config import load_config
 from libs.common.settings import common_settings
 from libs.launcher import brokers
 from libs.launcher.stack import Stack, StackError
+from services.gateway.config import GatewayConfig
 
 DEV_KEY = "sk-t2i-dev"
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m libs.launcher", description=__doc__)
-    ap.add_argument("--port", type=int, default=int(os.environ.get("T2I_GATEWAY_PORT", "8000")))
+    ap.add_argument("--port", type=int, default=load_config(GatewayConfig, "T2I_GATEWAY_").port)
     ap.add_argument("--executors", type=int, default=2)
     ap.add_argument("--models", default="models", help="folder of model folders")
     ap.add_argument("--out", default="out", help="where the sample image goes")

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -368,14 +367,14 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--out", type=Path, required=True)
     sub.add_parser("bootstrap", help="create the streams as the admin user (T2I_NATS_* settings)")
     args = ap.parse_args(argv)
+    from libs.common.settings import common_settings
+
     if args.cmd == "compose":
-        namespace = os.environ.get("T2I_NAMESPACE", "t2i")
+        namespace = common_settings().namespace  # T2I_NAMESPACE, checked as every service checks it
         wrote = write_compose(args.out, namespace)
         print(f"{'wrote' if wrote else 'kept'} credentials for namespace {namespace} in {args.out}")
         return 0
     import asyncio
-
-    from libs.common.settings import common_settings
 
     s = common_settings()
     asyncio.run(bootstrap(s.nats_url, s.namespace))
