@@ -8,6 +8,8 @@ arena (``transport/nvshmem.py``) keeps the same allocation interface over device
 
 Torch-free: the transports and the scheduler-side code import this module.
 
+Device memory (a CUDA allocation, NVSHMEM's symmetric heap) is :class:`~libs.dataplane.device_arena.TensorArena`'s.
+
 Lifetimes. ``close()`` never waits for readers. A memoryview or tensor still referring to the
 arena after ``close()`` keeps the *mapping* alive (so it never points at freed memory) but the
 segment name is gone and nothing can be allocated. Drop tensors before closing to actually
@@ -28,7 +30,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from multiprocessing import shared_memory
 from types import TracebackType
-from typing import Any
 
 from libs.dataplane.buddy import BuddyAllocator
 from libs.dataplane.errors import ArenaClosedError, ArenaFullError, DataPlaneError
@@ -425,69 +426,6 @@ class Arena:
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{self._alloc.used_bytes}/{self.capacity} used"
         return f"<{type(self).__name__} {self.name!r} {state}>"
-
-
-class TensorArena(Arena):
-    """An arena whose memory is one flat uint8 tensor: device memory (a CUDA allocation, NVSHMEM's
-    symmetric heap) or its host stand-in in the CPU tests. Blocks are tensor views
-    (``tensor(offset, nbytes)``), never memoryviews, so an output stays on the device it was made on
-    and a consumer on the same executor gets a view of it, not a copy. ``fence`` waits for the
-    writes queued on the arena's device; ``release`` frees the memory at ``close`` (after the
-    arena stops handing out blocks; tensors still viewing it must be gone by then on CUDA).
-
-    Torch-free itself: it only slices the tensor it is given.
-    """
-
-    kind = "device"
-    holds_tensors = True
-
-    def __init__(
-        self,
-        name: str,
-        memory: Any,
-        min_block: int = 256,
-        *,
-        fence: Callable[[], None] | None = None,
-        release: Callable[[], None] | None = None,
-    ) -> None:
-        super().__init__(name, int(memory.numel()), min_block)
-        self._memory: Any = memory
-        self.device = str(memory.device)
-        self._fence = fence
-        self._release = release
-
-    @property
-    def buf(self) -> memoryview:
-        raise DataPlaneError(
-            f"arena {self.name!r} is device memory ({self.device}); use tensor(offset, nbytes)"
-        )
-
-    def view(self, offset: int, nbytes: int) -> memoryview:
-        return self.buf
-
-    def tensor(self, offset: int, nbytes: int) -> Any:
-        """A uint8 tensor over ``[offset, offset+nbytes)`` of the arena (bounds-checked)."""
-        memory = self._memory
-        if self._closed or memory is None:
-            raise ArenaClosedError(self.name)
-        if offset < 0 or nbytes < 0 or offset + nbytes > self.capacity:
-            raise ValueError(f"range [{offset}, {offset + nbytes}) is outside arena of {self.capacity} bytes")
-        return memory[offset : offset + nbytes]
-
-    @property
-    def memory(self) -> Any:
-        """The whole arena as one uint8 tensor."""
-        return self._memory
-
-    def fence(self) -> None:
-        if self._fence is not None:
-            self._fence()
-
-    def _release_backing(self) -> None:
-        self._memory = None
-        release, self._release = self._release, None
-        if release is not None:
-            release()
 
 
 class HeapArena(Arena):

@@ -53,6 +53,7 @@ from libs.protocol.tensor_meta import TensorMeta
 from libs.workflow import catalog
 from libs.workflow.modelfn import Deferred, ModelFn
 from libs.workflow.paths import resolve_lora_path, resolve_model_path
+from services.executor.activations import ActivationProfile, tile_if_short
 from services.executor.callbacks import CallbackBox
 from services.executor.outcome import NodeError, NodeOutcome, Png
 from services.executor.weights import LayerLoadError, LoadReport, WeightCache
@@ -93,10 +94,6 @@ class _HostStaging:
 #: What the executor caches a model's components under: the model, or ``(workflow, model)`` under
 #: the WCache deployment mode (a copy per workflow: ``libs.dataplane.weights.cache_key``).
 CacheKey = ModelKey | tuple[str, ModelKey]
-
-
-def executor_cache_key(granularity: str, workflow: str, model: ModelKey) -> CacheKey:
-    return cache_key(granularity, workflow, model)  # type: ignore[return-value]
 
 
 def model_in(key: CacheKey) -> ModelKey:
@@ -173,7 +170,7 @@ class ModelCache:
         ModelFn's ``load_model(model_path, device, loader=...)``), their missing layers placed and
         being copied in (execute may start at once). Always end with :meth:`release`. ``workflow``
         is the request's (WCache keeps a copy per workflow)."""
-        key = executor_cache_key(self.weights.policy.granularity, workflow, ModelKey(fn, model))
+        key: CacheKey = cache_key(self.weights.policy.granularity, workflow, ModelKey(fn, model))  # type: ignore[assignment]
         t0 = time.perf_counter()
         comps = self._components.get(key)
         first = comps is None
@@ -292,28 +289,6 @@ class ModelCache:
         self.weights.trim(ModelKey(fn, model), resident)
 
 
-def tile_if_short(weights: Any, key: CacheKey, components: dict[str, Any]) -> list[Any]:
-    """Where ``key``'s profiled activations do not fit beside the weights resident now, the
-    components that can decode in tiles (diffusers' VAEs: ``enable_tiling``) do so for this run;
-    returns those switched on (the caller switches them off). Tiled decodes blend overlapping tiles,
-    so their images differ slightly from a whole decode's: only what would not fit tiles."""
-    if not weights.short_of(key):
-        return []
-    out = []
-    for comp in components.values():
-        if callable(getattr(comp, "enable_tiling", None)) and not getattr(comp, "use_tiling", False):
-            comp.enable_tiling()
-            out.append(comp)
-    if out:
-        log.info(
-            "%s: activations of %d bytes do not fit in %d; decoding in tiles",
-            key,
-            weights.headroom(key),
-            weights.room(),
-        )
-    return out
-
-
 def default_dtype(inst: ModelFn, device: str) -> str | None:
     """The dtype ``inst``'s model runs at on ``device`` when T2I_EXECUTOR_DTYPES names none: the
     ModelFn's own ``device_dtypes``, else its built-in family's (bf16 or fp16 on CUDA), else None
@@ -429,6 +404,7 @@ class NodeRunner:
         self.device = torch.device(device)
         self.callbacks = callbacks or CallbackBox()
         self.callback_timeout_s = callback_timeout_s
+        self.activations = ActivationProfile(self.device, models.weights)
         # The CUDA runtime's current device is per thread: the node thread's is ours (a device
         # transport keeps every GPU visible and names ours ``cuda:<index>``).
         self._pool = ThreadPoolExecutor(
@@ -465,26 +441,6 @@ class NodeRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _peak_reset(self) -> int:
-        """On CUDA: the bytes allocated before a run, the allocator's peak reset to them."""
-        if self.device.type != "cuda":
-            return 0
-        torch.cuda.reset_peak_memory_stats(self.device)
-        return torch.cuda.memory_allocated(self.device)
-
-    def _peak_record(self, key: CacheKey, base: int) -> None:
-        """On CUDA: the run's activations (peak allocated beyond ``base``) into its model's profile."""
-        if self.device.type == "cuda":
-            self.models.weights.record_activation(key, torch.cuda.max_memory_allocated(self.device) - base)
-
-    def _oom(self, key: CacheKey, components: dict[str, Any]) -> None:
-        weights = self.models.weights
-        room = weights.room()
-        if room is not None:
-            weights.record_activation(key, max(room + 1, weights.headroom(key) * 2))
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-
     def run_sync(self, d: Dispatch, blobs: dict[str, bytes] | None = None) -> NodeOutcome:
         """Run ``d`` in this thread: check its inputs, load its model, then bind, execute and store.
 
@@ -508,9 +464,9 @@ class NodeRunner:
                 try:
                     tiled = tile_if_short(self.models.weights, held.key, held.components)
                     inputs, deferred = self._bind_inputs(d, declared, blobs or {}, fetches)
-                    base = self._peak_reset()
+                    base = self.activations.begin()
                     outs, exec_s = self._execute(fn, held.components, inputs, fetches)
-                    self._peak_record(held.key, base)
+                    self.activations.end(held.key, base)
                 finally:
                     for module in tiled:
                         module.disable_tiling()
@@ -522,7 +478,7 @@ class NodeRunner:
             except torch.OutOfMemoryError as e:
                 # What ran out of room needs more than the room it had: its next run leaves more
                 # (and a decode that can tile, tiles).
-                self._oom(held.key, held.components)
+                self.activations.out_of_memory(held.key)
                 raise NodeError(f"{d.fn} ran out of memory: {e}", retryable=True) from e
             except Exception as e:
                 raise NodeError(f"{d.fn}.execute raised {type(e).__name__}: {e}") from e

@@ -1,6 +1,6 @@
 """CUDA IPC transport: the executors of one box pull each other's tensors GPU to GPU.
 
-Each executor allocates one device arena at start (a :class:`~libs.dataplane.arena.TensorArena`
+Each executor allocates one device arena at start (a :class:`~libs.dataplane.device_arena.TensorArena`
 over one ``cudaMalloc``): its outputs are written there and stay there, a consumer on the same
 executor gets a view of the block (no copy), and a peer on the box pulls it with one
 device-to-device copy (paper §5.2: the consumer allocates in its own arena and pulls from the
@@ -47,7 +47,8 @@ import warnings
 from multiprocessing import shared_memory
 from typing import Any
 
-from libs.dataplane.arena import Segment, TensorArena, unlink_segment
+from libs.dataplane.arena import Segment, unlink_segment
+from libs.dataplane.device_arena import TensorArena
 from libs.dataplane.errors import DataPlaneError, TransportError
 from libs.dataplane.transport.base import read_staged
 from libs.dataplane.transport.shm import ShmTransport, _Peer

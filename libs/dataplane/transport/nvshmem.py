@@ -28,7 +28,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from libs.dataplane.arena import TensorArena
+from libs.dataplane.device_arena import TensorArena
 from libs.dataplane.errors import DataPlaneError, TransportError
 from libs.dataplane.transport.base import Transport, read_staged
 from libs.dataplane.transport.tags import TAG, TagTable, check_tag, expected_tag, slots_for, stale
