@@ -10,7 +10,6 @@ import asyncio
 import gc
 import logging
 from contextlib import AsyncExitStack
-from typing import cast
 
 from libs.common.config import load_config
 from libs.common.logs import setup_logging
@@ -26,6 +25,7 @@ from services.scheduler.config import SchedulerConfig
 from services.scheduler.core import SchedulerCore
 from services.scheduler.deployment import Deployment
 from services.scheduler.lease import Lease
+from services.scheduler.machine import SchedulerMachine
 from services.scheduler.policy import get_policy
 from services.scheduler.replay import Recorder, record_path
 from services.scheduler.service import SchedulerService
@@ -34,9 +34,9 @@ from services.scheduler.succession import Succession
 log = logging.getLogger(__name__)
 
 
-def build_core(stack: AsyncExitStack, cfg: SchedulerConfig) -> SchedulerCore:
-    """The core one leadership runs (a fresh one per reign), recorded when ``cfg.record`` names a
-    file (``T2I_SCHEDULER_RECORD``: replay.py; the recorder stands in for the core)."""
+def build_machine(stack: AsyncExitStack, cfg: SchedulerConfig) -> SchedulerMachine:
+    """The state machine one leadership runs (a fresh one per reign), its inbox recorded when
+    ``cfg.record`` names a file (``T2I_SCHEDULER_RECORD``: replay.py)."""
     core = SchedulerCore(
         get_policy(cfg.policy, cfg.slack_s),
         heartbeat_timeout_s=cfg.heartbeat_timeout_s,
@@ -46,18 +46,18 @@ def build_core(stack: AsyncExitStack, cfg: SchedulerConfig) -> SchedulerCore:
         node_time_factor=cfg.node_time_factor,
         deployment=Deployment(cfg.deployment),
     )
-    if not cfg.record:
-        return core
-    recorder = Recorder(core, record_path(cfg.record))
-    stack.callback(recorder.close)
-    return cast(SchedulerCore, recorder)
+    machine = SchedulerMachine(core, cfg)
+    if cfg.record:
+        recorder = Recorder(machine, record_path(cfg.record))
+        stack.callback(recorder.close)
+    return machine
 
 
 async def build(stack: AsyncExitStack) -> SchedulerService:
     common = common_settings()
     cfg = load_config(SchedulerConfig, "T2I_SCHEDULER_")
     setup_logging("scheduler", common.log_level)
-    core = build_core(stack, cfg)
+    machine = build_machine(stack, cfg)
     nc = await connect(common.nats_url, "scheduler")
     own(stack, nc.drain, "nats")
     redis = connect_redis(common.redis_url)
@@ -85,7 +85,7 @@ async def build(stack: AsyncExitStack) -> SchedulerService:
         redis=redis,
         subjects=Subjects(common.namespace),
         keys=keys,
-        core=core,
+        machine=machine,
         cfg=cfg,
     )
 

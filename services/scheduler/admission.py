@@ -29,6 +29,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 
 from libs.protocol.messages import ImageRequest
 from libs.workflow.dag import Dag
@@ -171,9 +172,9 @@ def by_counter(
 def rank_for(policy: str, slack_s: float = 5.0) -> Rank:
     """The admission order that goes with a scheduling policy (see the module docstring)."""
     if policy == "fair":
-        return lambda heads, tenants: by_counter(heads, tenants, counter=_vtime, slack=slack_s, lower=True)
+        return partial(by_counter, counter=_vtime, slack=slack_s, lower=True)  # partials pickle (replay.py)
     if policy == "vtc":
-        return lambda heads, tenants: by_counter(heads, tenants, counter=_ops, slack=math.inf, lower=False)
+        return partial(by_counter, counter=_ops, slack=math.inf, lower=False)
     return by_arrival
 
 

@@ -11,14 +11,19 @@ the flags make it survive what core NATS does not promise:
   every ``POLL_S`` for the requests this leader holds; entries older than ``KEEP_S`` are trimmed
   (by then the take-in check covers the request).
 
-A request in the core is cancelled there (``SchedulerCore.cancel``: its running nodes are
-cancelled and refunded, it ends ``cancelled``); one queued for admission is answered from the
-backlog. Cancelling an ended or unknown request does nothing. The message's tenant must be the
-request's (a poll entry, written by the gateway after its own tenant check, is trusted).
+Both become a :class:`~services.scheduler.events.Cancel` on the scheduler's inbox; the state machine
+cancels the request wherever it is (``machine.py``: in the core, its running nodes are cancelled
+and refunded; in the backlog, it is answered at once) and says so with ``CancelDone``, whose poll
+entry is then removed. Cancelling an ended or unknown request does nothing. The message's tenant
+must be the request's (a poll entry, written by the gateway after its own tenant check, is
+trusted).
 
-*Executors view.* Every ``view_s`` the leader writes ``{ns}:executors`` (executor id -> JSON,
-``views.executors_view``) for ``GET /v1/admin/executors``, the CLI's ``top`` and the console; an
-executor that left is removed from it. A new leader replaces the whole hash on its first write.
+*Views.* The machine hands over, every ``view_s``, the operator views: ``{ns}:executors``
+(executor id -> JSON, ``views.executors_view``) for ``GET /v1/admin/executors``, the CLI's ``top``
+and the console, an executor that left removed from it; ``{ns}:tenants`` (per-tenant vTime,
+service and work); and, every tick, the backlog's per-tenant counts for ``{ns}:backlog`` (the
+gateway's per-tenant queued limit; a short TTL, so a dead scheduler's counts vanish). A new leader
+replaces each hash on its first write. A write still under way when the next view comes skips it.
 """
 
 from __future__ import annotations
@@ -26,18 +31,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable, Coroutine
 
 import msgspec
 from nats.aio.msg import Msg
+from redis.asyncio import Redis
 
-from libs.common.service import run_all
+from libs.common.metrics import SchedulerMetrics
+from libs.protocol.keys import Keys
 from libs.protocol.messages import cancel_decoder
+from services.scheduler.effects import WriteViews
+from services.scheduler.events import Cancel
 from services.scheduler.intake import REQUEST_ID
-from services.scheduler.views import BusyMeter, executors_view
-
-if TYPE_CHECKING:
-    from services.scheduler.service import SchedulerService
 
 log = logging.getLogger(__name__)
 
@@ -46,19 +51,33 @@ KEEP_S = 120.0  # entries older than this are trimmed from ``{ns}:cancels``
 
 
 class Control:
-    def __init__(self, svc: SchedulerService) -> None:
-        self.svc = svc
-        self.busy = BusyMeter()
+    def __init__(
+        self,
+        *,
+        redis: Redis,
+        keys: Keys,
+        metrics: SchedulerMetrics,
+        view_s: float,
+        leading: Callable[[], bool],
+        post: Callable[[Cancel], Awaitable[None]],
+    ) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.metrics = metrics
+        self.view_s = view_s
+        self.leading = leading
+        self.post = post
+        self._done: set[str] = set()  # cancels carried out: their poll entries to remove
         self._written: set[str] | None = None  # executor ids in ``{ns}:executors`` (None: never)
-        self.cancelled = 0  # requests this scheduler answered ``cancelled``
-
-    async def run(self) -> None:
-        await run_all(self._poll_loop(), self._view_loop())
+        self._writing: dict[str, asyncio.Task] = {}  # what -> its write under way
+        self._backlog: dict[str, int] | None = None  # backlog counts last written (None: never)
+        self._backlog_at = -float("inf")  # monotonic
+        self._backlog_failed = False
 
     # -- cancel -----------------------------------------------------------------------------------
     async def on_message(self, msg: Msg) -> None:
         """A ``CancelRequest`` from the gateway (validated; a bad one is logged and dropped)."""
-        if not self.svc.leading:
+        if not self.leading():
             return
         try:
             m = cancel_decoder.decode(msg.data)
@@ -68,73 +87,60 @@ class Control:
         if not REQUEST_ID.match(m.request_id) or not m.tenant:
             log.warning("dropped a cancel with no usable request id or tenant: %r", m.request_id[:100])
             return
-        self.cancel(m.request_id, m.tenant, m.reason)
+        await self.post(Cancel(m.request_id, m.tenant, m.reason))
 
-    def cancel(self, request_id: str, tenant: str | None, reason: str = "") -> bool:
-        """Cancel a request this leader holds (``tenant`` None: trusted, the request's own); False
-        when it holds none of that id and tenant (ended, not taken in yet, or another's)."""
-        svc = self.svc
-        if not svc.leading:
-            return False
-        run = svc.core.runs.get(request_id)
-        queued = None if run is not None else next(
-            (q for q in svc.intake.backlog if q.req.request_id == request_id), None
-        )  # fmt: skip
-        owner = run.req.tenant if run is not None else queued.req.tenant if queued is not None else None
-        if owner is None or (tenant is not None and tenant != owner):
-            if owner is not None:
-                log.warning("ignored a cancel of %s for tenant %r: it is %r's", request_id, tenant, owner)
-            return False
-        try:
-            if run is not None:
-                svc._apply(svc.core.cancel(request_id, owner, reason))  # noqa: SLF001 - the scheduler shell's state spread over several objects (issue 21, item 1)
-                svc._schedule_soon()  # its executors are free (or soon): others' work goes there  # noqa: SLF001 - the scheduler shell's state spread over several objects (issue 21, item 1)
-                done = True
-            else:
-                done = svc.intake.cancel(request_id, owner, reason)
-        except Exception:
-            log.exception("cancelling %s failed", request_id)
-            return False
-        self.cancelled += int(done)
-        return done
+    def forget(self, request_id: str) -> None:
+        """A cancel was carried out: its poll entry (if any) goes with the next poll."""
+        self._done.add(request_id)
 
-    async def _poll_loop(self) -> None:
-        key = self.svc.keys.cancels
+    async def poll_loop(self) -> None:
+        key = self.keys.cancels
         last_trim = 0.0
         while True:
             await asyncio.sleep(POLL_S)
-            if not self.svc.leading:
+            if not self.leading():
                 continue
             wall = time.time()
             try:
-                raw = await self.svc.redis.zrangebyscore(key, wall - KEEP_S, "+inf")
-                done = [rid for rid in (r.decode(errors="replace") for r in raw) if self.cancel(rid, None)]
-                if done:
-                    await self.svc.redis.zrem(key, *done)
+                if self._done:
+                    done, self._done = self._done, set()
+                    await self.redis.zrem(key, *done)
+                for raw in await self.redis.zrangebyscore(key, wall - KEEP_S, "+inf"):
+                    await self.post(Cancel(raw.decode(errors="replace"), None))
                 if wall - last_trim >= KEEP_S / 4:
                     last_trim = wall
-                    await self.svc.redis.zremrangebyscore(key, "-inf", wall - KEEP_S)
+                    await self.redis.zremrangebyscore(key, "-inf", wall - KEEP_S)
             except Exception as e:  # noqa: BLE001 - Redis away: polled again next period
                 log.warning("polling the cancels failed: %s: %s", type(e).__name__, e)
 
-    # -- executors view ---------------------------------------------------------------------------
-    async def _view_loop(self) -> None:
-        cfg = self.svc.cfg
-        last = 0.0
-        while True:
-            await asyncio.sleep(cfg.tick_s)
-            now = time.monotonic()
-            self.busy.sample(self.svc.core.executors, now)
-            if now - last >= cfg.view_s and self.svc.leading:
-                last = now
-                await self._publish(now)
+    # -- views ------------------------------------------------------------------------------------
+    def _once(self, what: str, write: Coroutine) -> None:
+        running = self._writing.get(what)
+        if running is not None and not running.done():
+            write.close()
+            return
+        self._writing[what] = asyncio.create_task(write)
 
-    async def _publish(self, now: float) -> None:
-        view = executors_view(self.svc.core.executors, self.busy.busy, now, time.time())
-        key = self.svc.keys.executors_view
+    def write_views(self, e: WriteViews) -> None:
+        self.metrics.tenants(e.tenants, e.backlog)
+        if e.stats is not None:
+            log.info("state: %s", e.stats)
+            for tenant, v in sorted(e.tenants.items()):
+                log.info("tenant %s: %s", tenant, " ".join(f"{k}={v[k]}" for k in sorted(v)))
+        self._once("views", self._write_views(e))
+
+    async def _write_views(self, e: WriteViews) -> None:
+        if e.tenants:
+            try:
+                mapping = {t: msgspec.json.encode(v) for t, v in e.tenants.items()}
+                await self.redis.hset(self.keys.tenants, mapping=mapping)
+            except Exception as ex:  # noqa: BLE001 - the view is refreshed next second
+                log.warning("writing the tenant view failed: %s", ex)
+        key = self.keys.executors_view
+        view = e.executors
         gone = (self._written or set()) - set(view)
         try:
-            pipe = self.svc.redis.pipeline(transaction=False)
+            pipe = self.redis.pipeline(transaction=False)
             if self._written is None:
                 pipe.delete(key)  # what an earlier leader wrote
             if gone:
@@ -143,8 +149,44 @@ class Control:
                 pipe.hset(key, mapping={k: msgspec.json.encode(v) for k, v in view.items()})
             if self._written is None or gone or view:
                 await pipe.execute()
-        except Exception as e:  # noqa: BLE001 - written again next period
-            log.warning("writing the executors view failed: %s: %s", type(e).__name__, e)
+        except Exception as ex:  # noqa: BLE001 - written again next period
+            log.warning("writing the executors view failed: %s: %s", type(ex).__name__, ex)
             self._written = None
             return
         self._written = set(view)
+
+    def write_backlog(self, counts: dict[str, int], now: float) -> None:
+        """Write the backlog's counts when they changed since the last write, or every ``view_s``
+        anyway (to renew the key's TTL). A tenant whose count fell to zero is written as 0 once
+        (HDEL is not among the scheduler's Redis commands); the first write replaces whatever an
+        earlier scheduler left."""
+        if counts == self._backlog and now - self._backlog_at < self.view_s:
+            return
+        running = self._writing.get("backlog")
+        if running is not None and not running.done():
+            return
+        self._backlog_at = now
+        self._writing["backlog"] = asyncio.create_task(self._write_backlog(counts))
+
+    async def _write_backlog(self, counts: dict[str, int]) -> None:
+        key = self.keys.backlog
+        mapping = {t: 0 for t in self._backlog or {}} | counts
+        try:
+            pipe = self.redis.pipeline(transaction=False)
+            if self._backlog is None:
+                pipe.delete(key)
+            if mapping:
+                pipe.hset(key, mapping=mapping)
+                pipe.expire(key, max(5, int(10 * self.view_s)))
+            await pipe.execute()
+        except Exception as e:  # noqa: BLE001 - the counts are written again next tick
+            if not self._backlog_failed:
+                log.warning("writing the backlog counts failed: %s: %s", type(e).__name__, e)
+            self._backlog_failed = True
+            return
+        self._backlog_failed = False
+        self._backlog = counts
+
+    def stop(self) -> None:
+        for t in self._writing.values():
+            t.cancel()

@@ -11,8 +11,14 @@ from libs.protocol.tensor_meta import TensorMeta
 
 @dataclass(frozen=True)
 class SendDispatch:
+    """Send a node to an executor. ``token`` names the dispatch in its answer
+    (``events.DispatchAnswer``); past ``deadline`` (monotonic) it is timed out, and one not sent by
+    then is not sent at all. The core leaves both 0; the machine stamps them."""
+
     executor: str
     msg: Dispatch
+    token: int = 0
+    deadline: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -80,6 +86,46 @@ class ChargeVTime:
     service_s: float = 0.0
 
 
+@dataclass(frozen=True)
+class StepDown:
+    """This leader must stop acting at once (an executor refused a dispatch for a newer epoch)."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class CancelDone:
+    """A cancel was carried out: its entry in ``{ns}:cancels`` can go."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class WriteBacklog:
+    """The backlog's per-tenant counts, for ``{ns}:backlog`` (written when changed, and every
+    ``view_s`` to renew its TTL: the writer decides)."""
+
+    counts: dict[str, int]
+
+
+@dataclass(frozen=True)
+class WriteViews:
+    """The operator views, every ``view_s``: per tenant (``{ns}:tenants``, also the metrics) and per
+    executor (``{ns}:executors``); ``stats`` is logged when set (every 10 s)."""
+
+    tenants: dict[str, dict]
+    backlog: dict[str, int]
+    executors: dict[str, dict]
+    stats: dict[str, int] | None = None
+
+
+@dataclass(frozen=True)
+class BroadcastLive:
+    """Tell every executor which attempts are in progress (``LiveAttempts``): they free any other."""
+
+    attempts: list[str]
+
+
 Effect = (
     SendDispatch
     | SendCallback
@@ -89,4 +135,9 @@ Effect = (
     | AppendEvent
     | Finished
     | ChargeVTime
+    | StepDown
+    | CancelDone
+    | WriteBacklog
+    | WriteViews
+    | BroadcastLive
 )

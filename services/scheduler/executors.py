@@ -11,6 +11,7 @@ least busy executor.
 
 from __future__ import annotations
 
+import copyreg
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -39,6 +40,15 @@ def cached_fraction(value: object) -> float | None:
     if total_bytes == 0:
         return 1.0 if layers == total_layers else None
     return nbytes / total_bytes
+
+
+# The scheduler's state is pickled to start a recording (replay.py), and its read-only views of the
+# executors' caches with it: as the plain dicts they wrap.
+def read_only(d: dict) -> Mapping:
+    return MappingProxyType(d)
+
+
+copyreg.pickle(MappingProxyType, lambda m: (read_only, (dict(m),)))
 
 
 @dataclass

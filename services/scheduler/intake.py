@@ -1,9 +1,9 @@
 """Taking image requests in from the JetStream intake, so that none is lost (``docs/scheduling.md``).
 
-Every intake message ends in exactly one of two ways: the request is handed to the core (which
-always ends it with a ``Finished`` effect, hence a result), or it is answered here with a failed
-:class:`RequestResult` naming why (``bad_params``, ``workflow``, ``timeout``, ``rate_limited``,
-``internal``), or ``cancelled`` when its client cancelled it before it reached the core (the
+Every intake message ends in exactly one of two ways: the request is handed to the state machine
+(which always ends it with a ``Finished`` effect, hence a result), or it is answered here with a
+failed :class:`RequestResult` naming why (``bad_params``, ``workflow``, ``timeout``, ``internal``),
+or ``cancelled`` when its client cancelled it before it reached the core (the
 ``cancel`` flag of its state, read at take-in; ``control.py``). The one
 exception is a message without a usable request id: there is no subject to answer on, so it is
 logged and terminated.
@@ -21,18 +21,10 @@ slow registry lookup does not hold up the others; otherwise they are taken in on
 the order they arrive. Every message of a fetched batch is registered (and so kept alive) before
 the first is taken in.
 
-A request taken in is not handed to the core at once: it waits in the backlog
-(:class:`~services.scheduler.admission.Backlog`), one queue per tenant in arrival order, still kept
-alive, until the service admits it (:meth:`Intake.admit_queued`) in the order the policy would serve its tenant
-(``admission.py``). One whose deadline passes while it waits is answered ``timeout``
-(:meth:`Intake.expire_queued`).
-
-Per-tenant limits (``docs/scheduling.md``, "Per-tenant limits"): a tenant with
-``max_tenant_backlog`` requests queued already has the next one answered ``rate_limited`` before
-anything else is done for it (the gateway answers 429, worth retrying), so one tenant cannot fill
-the backlog. The backlog's per-tenant counts go to ``{ns}:backlog`` (with a short TTL, so a dead
-scheduler's counts vanish) for the gateway's per-tenant queued limit, refreshed from
-:meth:`Intake.expire_queued`, which the service's admission loop calls every tick.
+A request taken in is posted to the scheduler's inbox (a :class:`~services.scheduler.events.TakenIn`,
+still kept alive here); from then on its life is the state machine's (``machine.py``: the backlog,
+admission in the policy's order, the per-tenant backlog limit — ``rate_limited``, docs/scheduling.md
+"Per-tenant limits" — and its deadline).
 """
 
 from __future__ import annotations
@@ -41,7 +33,7 @@ import asyncio
 import logging
 import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable
 
 import msgspec
 from nats.aio.client import Client
@@ -58,10 +50,11 @@ from libs.protocol.subjects import Subjects
 from libs.workflow.dag import Dag, unroll
 from libs.workflow.errors import ParamError
 from libs.workflow.params import resolve_params
-from services.scheduler.accounting import TenantAccount
-from services.scheduler.admission import Backlog, Queued, Rank
+from services.scheduler.admission import Queued
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.deadlines import Deadline, deadline_of
+from services.scheduler.events import TakenIn
+from services.scheduler.machine import cancelled, failed
 from services.scheduler.retrying import Backoff, is_transient
 
 log = logging.getLogger(__name__)
@@ -70,8 +63,8 @@ REQUEST_ID = re.compile(r"^[A-Za-z0-9_-]{1,80}$")
 
 # finish(result, tenant, message): publish a result, ack the message, store the result (a task).
 Finish = Callable[[RequestResult, str, Msg | None], None]
-# admit(request, dag, attempt, deadline): hand a request to the core.
-Admit = Callable[[ImageRequest, Dag, int, float], None]
+# post(event): hand a request taken in to the scheduler's inbox.
+Post = Callable[[TakenIn], Awaitable[None]]
 
 
 class _Peek(msgspec.Struct):
@@ -88,17 +81,6 @@ def _peek(data: bytes) -> _Peek:
         return _Peek()
 
 
-def failed(rid: str, error: str, code: str) -> RequestResult:
-    return RequestResult(rid, "failed", error=error, error_code=code)
-
-
-def cancelled(rid: str, reason: str = "", nodes: int = 0) -> RequestResult:
-    """The answer to a request cancelled before any of its nodes ran (nothing charged)."""
-    return RequestResult(
-        rid, "cancelled", error=reason or "cancelled by the client", error_code="cancelled", nodes=nodes
-    )
-
-
 class Intake:
     def __init__(
         self,
@@ -110,7 +92,7 @@ class Intake:
         registry: RegistryClient,
         cfg: SchedulerConfig,
         finish: Finish,
-        admit: Admit,
+        post: Post,
     ) -> None:
         self.nc = nc
         self.redis = redis
@@ -119,94 +101,18 @@ class Intake:
         self.registry = registry
         self.cfg = cfg
         self.finish = finish
-        self.admit = admit
+        self.post = post
         # request id -> the newest handle of its intake message, from the moment it is taken in
         # until it is answered (kept alive with in_progress meanwhile; acked when it ends)
         self.handles: dict[str, Msg] = {}
         self.taking: dict[str, asyncio.Task] = {}  # request id -> its take-in, retrying
-        self.backlog = Backlog()  # taken in, waiting for admission to the core
-        # Set when a request joins the backlog (and by the service when one leaves the core): the
-        # service's admission loop wakes up to admit.
-        self.wake = asyncio.Event()
         self._seq = 0  # arrival order of messages at this scheduler
         self.epoch = 0  # the scheduler's lease epoch, sent with its releases (fencing)
-        self._published: dict[str, int] | None = None  # backlog counts last written (None: never)
-        self._published_at = -float("inf")  # monotonic
-        self._publishing: asyncio.Task | None = None
-        self._publish_failed = False
-        self._states: dict[str, dict] = {}  # request id -> its stored state, read for its batch
-        self._checked: dict[str, int] = {}  # tenant -> requests of the batch checked, not queued yet
 
     @property
     def pending(self) -> int:
         """Requests being taken in (not yet queued nor in the core, not answered)."""
         return len(self.taking)
-
-    @property
-    def held(self) -> int:
-        """Requests held here, not in the core: being taken in or waiting for admission."""
-        return len(self.taking) + len(self.backlog)
-
-    def admit_queued(self, room: int, rank: Rank, tenants: Mapping[str, TenantAccount], now: float) -> int:
-        """Hand up to ``room`` queued requests to the core, in ``rank`` order; how many went in.
-        ``tenants`` is the core's accounts, read afresh for each pick (an admission may lift one)."""
-        admitted = 0
-        while admitted < room and (item := self.backlog.pop(rank, tenants)) is not None:
-            if now >= item.deadline:
-                self._answer(item.req, failed(item.req.request_id, _late(item, now), "timeout"))
-                continue
-            try:
-                self.admit(item.req, item.dag, item.attempt, item.deadline)
-            except Exception as e:  # noqa: BLE001 - a bug: answered rather than kept alive for ever
-                self._fail_permanently(item.req, e)
-                continue
-            admitted += 1
-        return admitted
-
-    def expire_queued(self, now: float) -> int:
-        """Answer ``timeout`` to every queued request whose deadline has passed; how many. Also
-        refreshes the published backlog counts (:meth:`publish_counts`)."""
-        late = self.backlog.expired(now)
-        for item in late:
-            self._answer(item.req, failed(item.req.request_id, _late(item, now), "timeout"))
-        self.publish_counts(now)
-        return len(late)
-
-    def publish_counts(self, now: float) -> None:
-        """Write the backlog's per-tenant counts to ``{ns}:backlog`` in a task of its own, when they
-        changed since the last write, or every ``view_s`` anyway (to renew the key's TTL). A
-        tenant whose count fell to zero is written as 0 once (HDEL is not among the scheduler's
-        Redis commands); the first write replaces whatever an earlier scheduler left."""
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:  # driven without an event loop (a unit test of the queue): no Redis
-            return
-        if self._publishing is not None and not self._publishing.done():
-            return
-        counts = self.backlog.counts()
-        if counts == self._published and now - self._published_at < self.cfg.view_s:
-            return
-        self._published_at = now
-        self._publishing = loop.create_task(self._publish_counts(counts))
-
-    async def _publish_counts(self, counts: dict[str, int]) -> None:
-        key = self.keys.backlog
-        mapping = {t: 0 for t in self._published or {}} | counts
-        try:
-            pipe = self.redis.pipeline(transaction=False)
-            if self._published is None:
-                pipe.delete(key)
-            if mapping:
-                pipe.hset(key, mapping=mapping)
-                pipe.expire(key, max(5, int(10 * self.cfg.view_s)))
-            await pipe.execute()
-        except Exception as e:  # noqa: BLE001 - the counts are written again next tick
-            if not self._publish_failed:
-                log.warning("writing the backlog counts failed: %s: %s", type(e).__name__, e)
-            self._publish_failed = True
-            return
-        self._publish_failed = False
-        self._published = counts
 
     async def on_batch(self, msgs: list[Msg]) -> None:
         """Take a fetched batch in, in order. Every message is registered first, so the progress
@@ -230,7 +136,6 @@ class Intake:
                     checked.append((req, *ok, seq))
             except Exception as e:  # noqa: BLE001 - a bug: answered rather than kept alive for ever
                 self._fail_permanently(req, e)
-        self._checked.clear()  # from here on they count in the backlog (or are retried)
         if checked:
             await self._enqueue_many(checked)
 
@@ -283,7 +188,6 @@ class Intake:
             return None
         if dag is None:
             return None
-        self._checked[req.tenant] = self._checked.get(req.tenant, 0) + 1
         return dag, deadline
 
     async def _enqueue_many(self, items: list[tuple[ImageRequest, Dag, Deadline, int]]) -> None:
@@ -343,8 +247,7 @@ class Intake:
 
     async def _check(self, req: ImageRequest, deadline: Deadline) -> Dag | None:
         """Everything before ``req`` is queued: its DAG, or None when it was answered instead (its
-        result was stored, too many deliveries, over its tenant's backlog limit, past its deadline,
-        a bad workflow); raises what it could not get past (transient or a bug)."""
+        result was stored, too many deliveries, past its deadline, a bad workflow); raises what it could not get past (transient or a bug)."""
         rid = req.request_id
         state = self._states.pop(rid, None)
         if state is None:
@@ -363,14 +266,6 @@ class Intake:
         if m is not None and (delivered := _delivered(m)) > self.cfg.max_deliveries:
             error = f"delivered {delivered} times without an answer (schedulers crashed on it or lost it)"
             self._answer(req, failed(rid, error, "internal"))
-            return None
-        cap = self.cfg.max_tenant_backlog
-        if cap > 0 and (queued := self.backlog.count(req.tenant) + self._checked.get(req.tenant, 0)) >= cap:
-            why = (
-                f"tenant {req.tenant!r} has {queued} requests queued at the scheduler, its limit "
-                f"(max_tenant_backlog {cap}); retry once some have started"
-            )
-            self._answer(req, failed(rid, why, "rate_limited"))
             return None
         if deadline.passed(time.monotonic()):
             late = time.monotonic() - deadline.at
@@ -396,21 +291,7 @@ class Intake:
             await self.nc.publish(
                 self.subjects.executors_all, encode(ReleaseRequest(req.request_id, -1, epoch=self.epoch))
             )
-        self.backlog.push(Queued(seq, req, dag, attempt, deadline.at))
-        self.wake.set()
-
-    def cancel(self, request_id: str, tenant: str, reason: str = "") -> bool:
-        """Answer ``cancelled`` to a request queued here for admission; False when it is not queued
-        here (in the core, ended, or not taken in yet: the take-in, and each retry of it, reads the
-        request's cancel flag) or belongs to another tenant."""
-        for item in self.backlog:
-            if item.req.request_id == request_id:
-                if item.req.tenant != tenant or self.backlog.remove(request_id) is None:
-                    return False
-                self._answer(item.req, cancelled(request_id, reason, len(item.dag.nodes)))
-                self.wake.set()
-                return True
-        return False
+        await self.post(TakenIn(Queued(seq, req, dag, attempt, deadline.at)))
 
     def _fail_permanently(self, req: ImageRequest, e: Exception) -> None:
         log.error("taking %s in failed: %s: %s", req.request_id, type(e).__name__, e, exc_info=e)
@@ -437,13 +318,6 @@ class Intake:
         log.error("request %s cannot be taken in: %s", rid, problem)
         self.finish(failed(rid, problem, "internal"), tenant, m)
         return None
-
-
-def _late(item: Queued, now: float) -> str:
-    return (
-        f"deadline passed while queued for admission ({item.req.timeout_s:g}s after submission, "
-        f"{now - item.deadline:.1f}s ago)"
-    )
 
 
 def _delivered(m: Msg) -> int:

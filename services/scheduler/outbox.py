@@ -13,15 +13,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import msgspec
+from nats.aio.client import Client
+from redis.asyncio import Redis
 
-from libs.protocol.messages import ReleaseRequest, encode
+from libs.protocol.keys import Keys
+from libs.protocol.messages import LiveAttempts, ReleaseRequest, encode
+from libs.protocol.subjects import Subjects
 from libs.protocol.tensor_meta import TensorMeta
 from services.scheduler.effects import (
     AppendEvent,
+    BroadcastLive,
     ChargeVTime,
     Effect,
     PersistRequest,
@@ -29,11 +34,9 @@ from services.scheduler.effects import (
     SendCallback,
     SendCancel,
 )
+from services.scheduler.lease import Lease
 from services.scheduler.retrying import is_transient
-from services.scheduler.vtime_store import StaleEpoch
-
-if TYPE_CHECKING:
-    from services.scheduler.service import SchedulerService
+from services.scheduler.vtime_store import StaleEpoch, VTimeStore
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +73,28 @@ class Flushed:
 
 
 class Outbox:
-    def __init__(self, svc: SchedulerService) -> None:
-        self.svc = svc
+    def __init__(
+        self,
+        *,
+        nc: Client,
+        redis: Redis,
+        subjects: Subjects,
+        keys: Keys,
+        vtimes: VTimeStore,
+        lease: Lease,
+        request_ttl_s: int,
+        leading: Callable[[], bool],
+        step_down: Callable[[str], None],
+    ) -> None:
+        self.nc = nc
+        self.redis = redis
+        self.subjects = subjects
+        self.keys = keys
+        self.vtimes = vtimes
+        self.lease = lease
+        self.request_ttl_s = request_ttl_s
+        self.leading = leading
+        self.step_down = step_down
         self.queue: asyncio.Queue[Effect | Flushed] = asyncio.Queue(maxsize=100_000)
         # Request id -> the state fields this scheduler last wrote for it (until the request ends).
         self._written: dict[str, dict[str, str | int | float]] = {}
@@ -96,7 +119,7 @@ class Outbox:
             if isinstance(e, Flushed):  # even when not leading: nothing waits on it for ever
                 markers.append(e.event)
                 continue
-            if not self.svc.leading:
+            if not self.leading():
                 continue
             try:
                 match e:
@@ -105,18 +128,21 @@ class Outbox:
                     case PersistRequest() | AppendEvent():
                         persists.append(e)
                     case SendCallback(executor=ex, msg=ready):
-                        await self.svc.nc.publish(self.svc.subjects.executor(ex), encode(ready))
+                        await self.nc.publish(self.subjects.executor(ex), encode(ready))
                     case SendCancel(executor=ex, msg=cancel):
-                        cancel = msgspec.structs.replace(cancel, epoch=self.svc.epoch)
-                        await self.svc.nc.publish(self.svc.subjects.executor(ex), encode(cancel))
+                        cancel = msgspec.structs.replace(cancel, epoch=self.lease.epoch)
+                        await self.nc.publish(self.subjects.executor(ex), encode(cancel))
                     case ReleaseAttempt(attempt=ref):
-                        release = ReleaseRequest(ref.request_id, ref.attempt, epoch=self.svc.epoch)
-                        await self.svc.nc.publish(self.svc.subjects.executors_all, encode(release))
+                        release = ReleaseRequest(ref.request_id, ref.attempt, epoch=self.lease.epoch)
+                        await self.nc.publish(self.subjects.executors_all, encode(release))
+                    case BroadcastLive(attempts=live):
+                        msg = LiveAttempts(live, epoch=self.lease.epoch)
+                        await self.nc.publish(self.subjects.executors_all, encode(msg))
                     case _:
                         log.error("no handler for effect %r", e)  # a bug: every effect must be handled
             except Exception as ex:  # noqa: BLE001
                 self._io_failed(type(e).__name__, ex)
-        if self.svc.leading and (charges or persists):
+        if self.leading() and (charges or persists):
             await self._write_state(charges, persists)
         for event in markers:
             event.set()
@@ -137,19 +163,19 @@ class Outbox:
             strict=True,
         ):
             if isinstance(res, StaleEpoch):
-                self.svc.step_down(str(res))
+                self.step_down(str(res))
             elif isinstance(res, BaseException):
                 self._io_failed(what, res)
 
     async def _charge(self, charges: list[ChargeVTime]) -> None:
         """The vTime changes, once the lease is certainly ours (the script's epoch check is the
         safety net behind this); dropped if this scheduler steps down meanwhile."""
-        lease = self.svc.lease
+        lease = self.lease
         if not lease.valid():
             await lease.wait_valid()
-            if not self.svc.leading:
+            if not self.leading():
                 return
-        await self.svc.vtimes.apply_many(charges)
+        await self.vtimes.apply_many(charges)
 
     def _io_failed(self, what: str, ex: BaseException) -> None:
         if is_transient(ex):  # Redis or NATS briefly away: the in-memory state stays right
@@ -182,12 +208,12 @@ class Outbox:
                 m[1].clear()
                 m[2][0] = True
             m[1].update(e.tensors)
-        ttl = self.svc.cfg.request_ttl_s
+        ttl = self.request_ttl_s
         stamp = time.time()
-        pipe = self.svc.redis.pipeline(transaction=False)
+        pipe = self.redis.pipeline(transaction=False)
         try:
             for n, (rid, (fields, tensors, drop)) in enumerate(merged.items(), 1):
-                key = self.svc.keys.request(rid)
+                key = self.keys.request(rid)
                 last = self._written.get(rid)
                 ending = fields.get("status") in _ENDED
                 if last is None or ending:
@@ -203,7 +229,7 @@ class Outbox:
                     self._written[rid] = fields
                 else:
                     last.update(fields)
-                tkey = self.svc.keys.tensors(rid)
+                tkey = self.keys.tensors(rid)
                 if drop[0]:
                     pipe.delete(tkey)
                     self._tensors_ttl.discard(rid)
@@ -224,7 +250,7 @@ class Outbox:
                 pipe.eval(
                     _APPEND_EVENTS,
                     len(chunk),
-                    *(self.svc.keys.events(ev.request_id) for ev in chunk),
+                    *(self.keys.events(ev.request_id) for ev in chunk),
                     EVENTS_MAXLEN,
                     EVENTS_TTL_S,
                     *(msgspec.json.encode(ev.data) for ev in chunk),

@@ -1,19 +1,18 @@
-"""Recording the scheduler core's inputs, and replaying them into a fresh core.
+"""Recording the scheduler's inbox, and replaying it into a fresh state machine.
 
-The core (``core.py``) does no I/O and reads no clock: every input is a method call with the time
-passed in, and what it decides comes back as effects. So a run of the scheduler is reproducible from
-the core's state when recording began and the calls made on it since. :class:`Recorder` stands in for
-the core inside the shell (``T2I_SCHEDULER_RECORD``: a file path; each leadership appends its own
-section), forwarding every call and writing, per input, the call (method, arguments, the time in
-them) and a digest of the effects it returned. :func:`replay` unpickles the starting core, makes the
-same calls in the same order, and reports every call whose effects differ: an empty list is a
-deterministic core. A failing chaos run can leave its recording behind, and the core's part of it can
-be stepped through in a debugger without brokers.
+The state machine (``machine.py``) does no I/O and reads no clock: every input is an event from the
+shell's one inbox, handled with the time passed in, and what it decides comes back as effects. So a
+run of the scheduler is reproducible from the machine's state when recording began and the events
+it handled since. :class:`Recorder` wraps the machine's ``handle`` inside the shell
+(``T2I_SCHEDULER_RECORD``: a file path; each leadership appends its own section) and writes, per
+event, the event, its time and a digest of the effects it returned. :func:`replay` unpickles the
+starting machine, handles the same events at the same times, and reports every one whose effects
+differ: an empty list is a deterministic machine. A failing chaos run can leave its recording
+behind, and the scheduler's part of it can be stepped through in a debugger without brokers.
 
 The file is a stream of pickles written and read by this code only (a recording is trusted input,
-never read off the bus): one header (``("core", <the pickled core>)``), then
-``("call", seq, method, args, kwargs, digest)`` entries, and ``("seed", ...)`` for the vTime loaded
-from Redis when a leader takes over (the one mutation of core state that is not a core method).
+never read off the bus): one header (``("machine", <the pickled machine>)``), then
+``("event", seq, event, now, digest)`` entries.
 """
 
 from __future__ import annotations
@@ -32,70 +31,36 @@ from typing import Any, BinaryIO
 
 log = logging.getLogger(__name__)
 
-#: The core's inputs: every method that changes its state or returns effects.
-INPUTS = (
-    "add_request",
-    "on_heartbeat",
-    "remove_executor",
-    "dispatch_result",
-    "expire",
-    "schedule",
-    "on_complete",
-    "reject_completion",
-    "on_failed",
-    "cancel",
-)
-
 
 def digest(effects: Any) -> str:
-    """What a call returned, comparably: the effects are dataclasses of wire structs whose ``repr``
-    is deterministic (no object ids)."""
+    """What an event returned, comparably: the effects are dataclasses of wire structs whose
+    ``repr`` is deterministic (no object ids)."""
     return repr(effects)
 
 
-class _Accounts:
-    """The core's accounts, with ``load`` (the vTime a new leader reads from Redis) recorded."""
-
-    def __init__(self, recorder: Recorder, accounts: Any) -> None:
-        self._recorder = recorder
-        self._accounts = accounts
-
-    def load(self, *args: Any, **kwargs: Any) -> Any:
-        self._recorder._write(("seed", args, kwargs))  # noqa: SLF001 - the recorder's own writer
-        return self._accounts.load(*args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._accounts, name)
-
-
 class Recorder:
-    """``core`` with its inputs recorded to ``out`` (a path, appended to, or a binary file)."""
+    """Record every event ``machine`` handles to ``out`` (a path, appended to, or a binary file)."""
 
-    def __init__(self, core: Any, out: str | Path | BinaryIO) -> None:
-        self.core = core
+    def __init__(self, machine: Any, out: str | Path | BinaryIO) -> None:
+        self.machine = machine
         self._file: BinaryIO = open(out, "ab") if isinstance(out, str | Path) else out
         self._lock = threading.Lock()
         self._seq = 0
-        self.accounts = _Accounts(self, core.accounts)
-        self._write(("core", pickle.dumps(core, protocol=pickle.HIGHEST_PROTOCOL)))
+        self._write(("machine", pickle.dumps(machine, protocol=pickle.HIGHEST_PROTOCOL)))
+        handle = machine.handle
+
+        def recorded(event: Any, now: float) -> Any:
+            effects = handle(event, now)
+            self._seq += 1
+            self._write(("event", self._seq, event, now, digest(effects)))
+            return effects
+
+        machine.handle = recorded
 
     def _write(self, entry: tuple) -> None:
         with self._lock:
             pickle.dump(entry, self._file, protocol=pickle.HIGHEST_PROTOCOL)
             self._file.flush()
-
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self.core, name)
-        if name not in INPUTS:
-            return attr
-
-        def recorded(*args: Any, **kwargs: Any) -> Any:
-            effects = attr(*args, **kwargs)
-            self._seq += 1
-            self._write(("call", self._seq, name, args, kwargs, digest(effects)))
-            return effects
-
-        return recorded
 
     def close(self) -> None:
         with self._lock:
@@ -105,7 +70,7 @@ class Recorder:
 @dataclass
 class Mismatch:
     seq: int
-    method: str
+    event: str
     recorded: str
     replayed: str
 
@@ -121,7 +86,7 @@ def sections(path: str | Path | bytes) -> Iterator[list[tuple]]:
         except (EOFError, pickle.UnpicklingError, ValueError):
             log.warning("recording %s ends in a truncated entry (its scheduler was killed mid-write)", path)
             break
-        if entry[0] == "core":
+        if entry[0] == "machine":
             if current is not None:
                 yield current
             current = [entry]
@@ -138,42 +103,37 @@ def record_path(setting: str) -> str:
 
 
 def replay(section: list[tuple]) -> tuple[Any, list[Mismatch]]:
-    """Feed one section's calls into the core it starts from; the core afterwards and every call
-    whose effects differ from the recorded ones."""
+    """Feed one section's events into the machine it starts from; the machine afterwards and every
+    event whose effects differ from the recorded ones."""
     kind, blob = section[0]
-    assert kind == "core"
-    core = pickle.loads(blob)
+    assert kind == "machine"
+    machine = pickle.loads(blob)
     mismatches: list[Mismatch] = []
-    for entry in section[1:]:
-        if entry[0] == "seed":
-            _, args, kwargs = entry
-            core.accounts.load(*args, **kwargs)
-            continue
-        _, seq, method, args, kwargs, recorded = entry
-        got = digest(getattr(core, method)(*args, **kwargs))
+    for _, seq, event, now, recorded in section[1:]:
+        got = digest(machine.handle(event, now))
         if got != recorded:
-            mismatches.append(Mismatch(seq, method, recorded, got))
-    return core, mismatches
+            mismatches.append(Mismatch(seq, type(event).__name__, recorded, got))
+    return machine, mismatches
 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m services.scheduler.replay FILE...``: replay each recording; exit 1 on a mismatch."""
     ap = argparse.ArgumentParser(
-        description="Replay scheduler recordings (T2I_SCHEDULER_RECORD) into fresh cores."
+        description="Replay scheduler recordings (T2I_SCHEDULER_RECORD) into fresh state machines."
     )
     ap.add_argument("files", nargs="+")
     args = ap.parse_args(argv)
     bad = 0
     for path in args.files:
         for i, section in enumerate(sections(path)):
-            core, mismatches = replay(section)
-            calls = sum(1 for e in section if e[0] == "call")
+            machine, mismatches = replay(section)
             print(
-                f"{path} section {i}: {calls} calls, {len(mismatches)} differ; {len(core.runs)} requests in flight at the end"
+                f"{path} section {i}: {len(section) - 1} events, {len(mismatches)} differ; "
+                f"{len(machine.core.runs)} requests in flight and {len(machine.backlog)} queued at the end"
             )
             for m in mismatches[:5]:
                 print(
-                    f"  call {m.seq} {m.method}:\n    recorded {m.recorded[:300]}\n    replayed {m.replayed[:300]}"
+                    f"  event {m.seq} {m.event}:\n    recorded {m.recorded[:300]}\n    replayed {m.replayed[:300]}"
                 )
             bad += len(mismatches)
     return 1 if bad else 0

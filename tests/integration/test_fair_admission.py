@@ -50,12 +50,12 @@ async def test_a_second_tenants_request_is_admitted_ahead_of_the_first_tenants_b
     a_ids = await submit(world, "tenant-a", 100)
 
     async def all_pulled() -> bool:  # the whole backlog is held by the scheduler, none in JetStream
-        held = len(sched.intake.backlog) + sched.core.active
+        held = len(sched.machine.backlog) + sched.core.active
         return held == 100 and (await world.consumer()).num_pending == 0 and sched.intake.pending == 0
 
     # No executor yet, so nothing drains however slow this machine is: 4 in the core, 96 held.
     assert await until(all_pulled, 10.0)
-    assert len(sched.intake.backlog) == 96 and sched.core.active == 4
+    assert len(sched.machine.backlog) == 96 and sched.core.active == 4
     (b_id,) = await submit(world, "tenant-b")
     for i in range(2):
         await world.add_executor(f"sim-{i}", profile({"dit": 0.04}))
@@ -67,7 +67,7 @@ async def test_a_second_tenants_request_is_admitted_ahead_of_the_first_tenants_b
     results = await world.wait_results(a_ids, within_s=60.0)
     assert sorted(results) == sorted(a_ids), f"lost {len(set(a_ids) - set(results))}"
     assert {r.status for r in results.values()} == {"succeeded"}
-    assert await until(lambda: len(sched.intake.backlog) == 0 and sched.core.active == 0, 5.0)
+    assert await until(lambda: len(sched.machine.backlog) == 0 and sched.core.active == 0, 5.0)
     info = await world.consumer()
     assert info.config.max_ack_pending == 2 * (4 + 500)
     assert await until(lambda: sched.intake.handles == {}, 5.0)

@@ -49,7 +49,7 @@ from services.executor.service import ExecutorService
 from services.executor.sim import SimRunner, SimStore
 from services.registry.service import RegistryService
 from services.registry.store import WorkflowStore
-from services.scheduler.__main__ import build_core
+from services.scheduler.__main__ import build_machine
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.lease import Lease
 from services.scheduler.service import SchedulerService
@@ -248,13 +248,15 @@ class World:
         own(stack, nc.close, "nats")
         redis = connect_redis(redis_url)
         own(stack, redis.aclose, "redis")
-        core = build_core(stack, cfg)  # as python -m services.scheduler builds it (recorded with ``record``)
+        machine = build_machine(
+            stack, cfg
+        )  # as python -m services.scheduler builds it (recorded with ``record``)
         timeout_s = min(1.0, cfg.lease_ttl_s / 3)
         lease = Lease(
             lambda: connect_redis_sync(redis_url, timeout_s), self.keys, cfg.lease_ttl_s, cfg.lease_poll_s
         )
         return SchedulerService(
-            nc=nc, redis=redis, subjects=self.subjects, keys=self.keys, core=core, cfg=cfg, lease=lease
+            nc=nc, redis=redis, subjects=self.subjects, keys=self.keys, machine=machine, cfg=cfg, lease=lease
         )
 
     async def start_registry(self) -> None:

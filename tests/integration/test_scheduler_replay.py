@@ -1,8 +1,8 @@
-"""A scheduler run with faults, recorded (``T2I_SCHEDULER_RECORD``) and replayed into fresh cores
-without brokers (services/scheduler/replay.py): every call of every leadership returns the effects
-it returned live. The run has a request past its deadline, a cancel, an executor lost mid-request
+"""A scheduler run with faults, recorded (``T2I_SCHEDULER_RECORD``) and replayed into fresh state
+machines without brokers (services/scheduler/replay.py): every event of every leadership returns the
+effects it returned live. The run has a request past its deadline, a cancel, an executor lost mid-request
 and a fail-over (the lease taken away: the leader steps down, the same process leads again as a new
-reign, i.e. a new section with a fresh core), on the real NATS and Redis with simulated executors."""
+reign, i.e. a new section with a fresh machine), on the real NATS and Redis with simulated executors."""
 
 from __future__ import annotations
 
@@ -57,34 +57,42 @@ async def test_a_recorded_run_with_faults_replays_to_the_same_effects(world, tmp
 
     recorded = list(sections(recording))
     assert len(recorded) >= 2  # one section per leadership
-    calls = Counter(e[2] for s in recorded for e in s if e[0] == "call")
-    assert calls["add_request"] >= 7 and calls["remove_executor"] >= 1 and calls["cancel"] >= 1
-    assert calls["expire"] > 0 and calls["on_heartbeat"] > 0
-    assert calls["on_complete"] > 0 and calls["schedule"] > 0
-    assert any(e[0] == "seed" for s in recorded for e in s)  # vTime a new leader loaded
+    events = Counter(type(e[2]).__name__ for s in recorded for e in s[1:])
+    assert events["TakenIn"] >= 7 and events["Cancel"] >= 1 and events["DispatchAnswer"] > 0
+    assert events["Tick"] > 0 and events["FromExecutor"] > 0 and events["Round"] > 0
+    executor_events = Counter(
+        type(e[2].event).__name__ for s in recorded for e in s[1:] if hasattr(e[2], "event")
+    )
+    assert executor_events["ExecutorHeartbeat"] > 0 and executor_events["NodeComplete"] > 0
+    assert all(type(s[1][2]).__name__ == "Seed" for s in recorded)  # each leader starts from Redis's vTime
     for section in recorded:
-        core, mismatches = replay(section)
+        machine, mismatches = replay(section)
         assert mismatches == [], mismatches[:3]
-    # The replayed core ends where the live one did: the last section's leader is the live one.
-    live = process.current.core
-    assert sorted(core.runs) == sorted(live.runs) and sorted(core.executors) == sorted(live.executors)
+    # The replayed machine ends where the live one did: the last section's leader is the live one.
+    live = process.current.machine
+    assert sorted(machine.core.runs) == sorted(live.core.runs)
+    assert sorted(machine.core.executors) == sorted(live.core.executors)
+    assert len(machine.backlog) == len(live.backlog) and machine.cancelled == live.cancelled
 
 
-def test_a_replay_reports_a_call_whose_effects_differ(tmp_path):
+def test_a_replay_reports_an_event_whose_effects_differ(tmp_path):
     import contextlib
 
-    from services.scheduler.__main__ import build_core
+    from services.scheduler.__main__ import build_machine
     from services.scheduler.config import SchedulerConfig
+    from services.scheduler.events import Round, Tick
     from services.scheduler.replay import Mismatch
 
     path = tmp_path / "r.rec"
     stack = contextlib.AsyncExitStack()
-    core = build_core(stack, SchedulerConfig(record=str(path)))
-    core.schedule(1.0)
-    core.expire(2.0)
-    core.close()  # type: ignore[attr-defined]
+    machine = build_machine(stack, SchedulerConfig(record=str(path), view_s=100.0))
+    machine.handle(Round(), 1.0)
+    machine.handle(Tick(wall=5.0), 2.0)
+    machine.handle(Tick(wall=5.0), 3.0)
+    asyncio.run(stack.aclose())  # closes the recording
     (section,) = sections(path)
-    assert replay(section)[1] == []
-    kind, seq, method, args, kwargs, _ = section[-1]
-    section[-1] = (kind, seq, method, args, kwargs, "[something else]")
-    assert replay(section)[1] == [Mismatch(seq, "expire", "[something else]", "[]")]
+    assert len(section) == 4 and replay(section)[1] == []
+    kind, seq, event, now, recorded = section[-1]
+    assert "WriteBacklog" in recorded and "WriteViews" not in recorded  # the views are every 100 s
+    section[-1] = (kind, seq, event, now, "[something else]")
+    assert replay(section)[1] == [Mismatch(seq, "Tick", "[something else]", recorded)]

@@ -82,7 +82,7 @@ async def test_a_tenant_over_its_queued_limit_gets_429_while_another_tenant_is_a
     async with gateway(world, GatewayConfig(tenant_queued=3, request_timeout_s=60)) as client:
         # No executor yet: one request waits unstarted in the core, two in the scheduler's backlog.
         calls = [asyncio.create_task(client.post(GEN, json=BODY, headers=ALICE)) for _ in range(3)]
-        assert await until(lambda: sched.core.active == 1 and sched.intake.backlog.count("alice") == 2, 10.0)
+        assert await until(lambda: sched.core.active == 1 and sched.machine.backlog.count("alice") == 2, 10.0)
 
         async def all_counted() -> bool:  # the scheduler's view and backlog counts show all three
             return await queued_counts(world, "alice") == 3
@@ -103,7 +103,7 @@ async def test_a_tenant_over_its_queued_limit_gets_429_while_another_tenant_is_a
         assert resp.status == 422 and (await resp.json())["error"]["param"] == "n"
 
         bob = asyncio.create_task(client.post(GEN, json=BODY, headers=BOB))  # another tenant: taken in
-        assert await until(lambda: sched.intake.backlog.count("bob") == 1, 5.0)
+        assert await until(lambda: sched.machine.backlog.count("bob") == 1, 5.0)
         assert not bob.done()
 
         await world.add_executor("sim-0", profile())
@@ -125,7 +125,7 @@ async def test_the_schedulers_per_tenant_backlog_cap_answers_rate_limited_and_th
         first = asyncio.create_task(client.post(GEN, json=BODY, headers=ALICE))
         assert await until(lambda: sched.core.active == 1, 10.0)
         second = asyncio.create_task(client.post(GEN, json=BODY, headers=ALICE))
-        assert await until(lambda: sched.intake.backlog.count("alice") == 1, 10.0)
+        assert await until(lambda: sched.machine.backlog.count("alice") == 1, 10.0)
 
         keyed = {**ALICE, "Idempotency-Key": "retry-me"}
         resp = await client.post(GEN, json=BODY, headers=keyed)
@@ -137,7 +137,7 @@ async def test_the_schedulers_per_tenant_backlog_cap_answers_rate_limited_and_th
         )
 
         bob = asyncio.create_task(client.post(GEN, json=BODY, headers=BOB))  # bob's backlog is empty
-        assert await until(lambda: sched.intake.backlog.count("bob") == 1, 10.0)
+        assert await until(lambda: sched.machine.backlog.count("bob") == 1, 10.0)
 
         await world.add_executor("sim-0", profile())
         for call in (first, second, bob):

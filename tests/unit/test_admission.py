@@ -8,7 +8,6 @@ from services.scheduler.accounting import TenantAccount
 from services.scheduler.admission import Backlog, Queued, by_arrival, rank_for
 from services.scheduler.core import SchedulerCore
 from services.scheduler.effects import Finished
-from services.scheduler.intake import Intake
 from services.scheduler.policy import get_policy
 from tests.unit.test_scheduler_core import complete, dispatches, hb, request, toy_dag
 
@@ -106,31 +105,6 @@ def test_expired_removes_only_the_requests_past_their_deadline():
     assert [x.req.request_id for x in b.expired(4.9)] == []
     assert sorted(x.req.request_id for x in b.expired(5.0)) == ["a1", "b3"]
     assert len(b) == 1 and b.counts() == {"a": 1}
-
-
-def test_the_intake_admits_by_rank_up_to_the_room_and_answers_the_late_ones_timeout():
-    answered: list = []
-    admitted: list[str] = []
-    intake = Intake(
-        nc=None,  # type: ignore[arg-type]
-        redis=None,  # type: ignore[arg-type]
-        keys=None,  # type: ignore[arg-type]
-        subjects=None,  # type: ignore[arg-type]
-        registry=None,  # type: ignore[arg-type]
-        cfg=None,  # type: ignore[arg-type]
-        finish=lambda result, tenant, m: answered.append((result, tenant)),
-        admit=lambda req, dag, attempt, deadline: admitted.append(req.request_id),
-    )
-    for item in (q(1, "a", deadline=10.0), q(2, "a"), q(3, "a"), q(4, "b", deadline=10.0), q(5, "b")):
-        intake.backlog.push(item)
-    tenants = {"a": TenantAccount(vtime=3.0, requests=1)}
-    assert intake.admit_queued(2, FAIR, tenants, now=1.0) == 2
-    assert admitted == ["b4", "b5"] and answered == []
-    assert intake.expire_queued(20.0) == 1
-    (result, tenant), *_ = answered
-    assert result.request_id == "a1" and result.error_code == "timeout" and tenant == "a"
-    assert intake.admit_queued(5, FAIR, tenants, now=20.0) == 2 and admitted[2:] == ["a2", "a3"]
-    assert intake.held == 0
 
 
 def test_end_to_end_through_the_core_a_late_tenant_finishes_long_before_the_backlog_drains():
