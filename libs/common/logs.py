@@ -5,7 +5,7 @@ root handler renders each record with structlog, so a line is machine-readable w
 call sites::
 
     {"event": "request 0123...-0 succeeded ...", "level": "info", "service": "scheduler",
-     "logger": "services.scheduler.service", "request_id": "0123...-0", "call_id": "0123...",
+     "logger": "services.scheduler.shell.service", "request_id": "0123...-0", "call_id": "0123...",
      "timestamp": "2026-11-30T18:00:00.000000Z"}
 
 The request id travels in a context variable (``structlog.contextvars``): a handler binds it once

@@ -137,7 +137,7 @@ def redis_rules(ns: str, role: str) -> list[str] | None:
         own = (k.request("*"), k.tensors("*"), k.vtime, k.ops, k.service, k.tenants, k.backlog)
         keys = [f"~{x}" for x in (*own, k.gpu_window_pattern, *lease)]
         cmds = ["+hset", "+hget", "+hgetall", "+hincrby", "+expire", "+del", *_REDIS_SCRIPTS]
-        # The lease and its fencing token (services/scheduler/lease.py: SET NX PX, INCR, GET and
+        # The lease and its fencing token (services/scheduler/shell/lease.py: SET NX PX, INCR, GET and
         # PEXPIRE, inside its scripts and the vTime script): a selector, so these commands reach
         # those two keys only.
         # The GPU-second quota window the gateway sets: read only.

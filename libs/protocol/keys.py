@@ -18,7 +18,7 @@
 | ``{ns}:gpu_s:{window_s}:{index}`` | hash | tenant -> measured GPU seconds charged in window ``index`` (TTL 2 windows) |
 | ``{ns}:gw:quota:window_s`` | string | the GPU-second quota window (seconds), set by the gateway; the scheduler counts in it |
 | ``{ns}:gw:limits:{tenant}`` | string | JSON per-tenant overrides of the gateway's limits (``queued``, ``gpu_s``), set by an admin |
-| ``{ns}:scheduler:lease`` | string | the leading scheduler's holder id, with a TTL (``services/scheduler/lease.py``) |
+| ``{ns}:scheduler:lease`` | string | the leading scheduler's holder id, with a TTL (``services/scheduler/shell/lease.py``) |
 | ``{ns}:scheduler:epoch`` | string | the fencing token: incremented by every acquisition of the lease |
 | ``{ns}:gw:gen:{generation_id}`` | string | the gateway's record of one call (``services/gateway/records.py``) |
 | ``{ns}:gw:res:{request_id}`` | string | an image request's result, kept for the call's lifetime |

@@ -214,7 +214,7 @@ class Bridge:
                 out.append(ImageState(result.status, result))
             else:
                 # Ended in the scheduler, its result not stored yet (the state is written as the
-                # request ends, the result once its charges are: services/scheduler/service.py,
+                # request ends, the result once its charges are: services/scheduler/shell/service.py,
                 # _finish): still finishing, as far as a caller can tell.
                 raw_status = status or b""
                 now = (
@@ -273,7 +273,7 @@ class Bridge:
 
         The request is flagged in Redis first (``cancel`` in its hash, and ``{ns}:cancels``), then
         the leading scheduler is told on ``{ns}.sched.cancel``: the message makes it immediate, the
-        flags make it survive a lost message or a scheduler fail-over (``services/scheduler/control.py``).
+        flags make it survive a lost message or a scheduler fail-over (``services/scheduler/shell/control.py``).
         The request's ``cancelled`` result comes back like any other (:meth:`wait`)."""
         key = self.keys.request(request_id)
         status, owner = await self.redis.hmget(key, "status", "tenant")
@@ -296,7 +296,7 @@ class Bridge:
     ) -> list[tuple[str, dict]]:
         """The request's progress events after ``last_id`` (a stream entry id; ``"0-0"``: from the
         start), waiting up to ``block_ms`` for one (0: do not wait): ``[(entry id, event), ...]``,
-        empty when none came. Events are the scheduler's (``services/scheduler/progress.py``):
+        empty when none came. Events are the scheduler's (``services/scheduler/core/progress.py``):
         ``{"type": "node", ...}`` per finished node, and a last ``{"type": "end", ...}``."""
         if not STREAM_ID.match(last_id):
             raise ValueError(f"last_id must be a stream entry id like 1733000000000-0, not {last_id!r}")

@@ -10,7 +10,7 @@ where the work is, so every gateway replica sees the same numbers:
 * **GPU seconds** (``T2I_GATEWAY_TENANT_GPU_S`` per ``T2I_GATEWAY_QUOTA_WINDOW_S``): the measured
   GPU time charged to the tenant in the current window, ``{ns}:gpu_s:{window_s}:{time // window_s}``,
   which the scheduler's vTime script adds to in the same atomic step as every charge
-  (``services/scheduler/vtime_store.py``). A tenant at or past its quota gets 429 ``quota_exceeded``
+  (``services/scheduler/shell/vtime_store.py``). A tenant at or past its quota gets 429 ``quota_exceeded``
   with ``Retry-After`` the seconds until the window ends. The window's length is this gateway's:
   it writes it to ``{ns}:gw:quota:window_s`` while a quota is in use, and the scheduler counts in it.
 

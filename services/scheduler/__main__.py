@@ -22,14 +22,14 @@ from libs.common.settings import common_settings
 from libs.protocol.keys import Keys
 from libs.protocol.subjects import Subjects
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.core import SchedulerCore
-from services.scheduler.deployment import Deployment
-from services.scheduler.lease import Lease
-from services.scheduler.machine import SchedulerMachine
-from services.scheduler.policy import get_policy
+from services.scheduler.core.deployment import Deployment
+from services.scheduler.core.machine import SchedulerMachine
+from services.scheduler.core.policy import get_policy
+from services.scheduler.core.scheduling import SchedulerCore
 from services.scheduler.replay import Recorder, record_path
-from services.scheduler.service import SchedulerService
-from services.scheduler.succession import Succession
+from services.scheduler.shell.lease import Lease
+from services.scheduler.shell.service import SchedulerService
+from services.scheduler.shell.succession import Succession
 
 log = logging.getLogger(__name__)
 

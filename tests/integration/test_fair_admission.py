@@ -1,4 +1,4 @@
-"""Admission to the active set is fair (``services/scheduler/admission.py``): the real scheduler,
+"""Admission to the active set is fair (``services/scheduler/core/admission.py``): the real scheduler,
 registry and simulated executors in this process, over real NATS and Redis.
 
 With a small active set (``max_active``) and one tenant's backlog of 100 requests held by the

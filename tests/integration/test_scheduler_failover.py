@@ -36,9 +36,9 @@ from libs.protocol.messages import (
     encode,
     result_decoder,
 )
-from services.scheduler.effects import ChargeVTime
-from services.scheduler.lease import Lease
-from services.scheduler.vtime_store import StaleEpoch, VTimeStore
+from services.scheduler.core.effects import ChargeVTime
+from services.scheduler.shell.lease import Lease
+from services.scheduler.shell.vtime_store import StaleEpoch, VTimeStore
 from tests.integration.test_scheduler_faults import Proxy, World, profile, until
 from tests.support.waiting import elapse_sync
 

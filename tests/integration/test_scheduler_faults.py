@@ -51,9 +51,9 @@ from services.registry.service import RegistryService
 from services.registry.store import WorkflowStore
 from services.scheduler.__main__ import build_machine
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.lease import Lease
-from services.scheduler.service import SchedulerService
-from services.scheduler.succession import Succession
+from services.scheduler.shell.lease import Lease
+from services.scheduler.shell.service import SchedulerService
+from services.scheduler.shell.succession import Succession
 from tests.support.waiting import elapse, until
 
 pytestmark = pytest.mark.timeout(120)

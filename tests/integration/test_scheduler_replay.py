@@ -80,7 +80,7 @@ def test_a_replay_reports_an_event_whose_effects_differ(tmp_path):
 
     from services.scheduler.__main__ import build_machine
     from services.scheduler.config import SchedulerConfig
-    from services.scheduler.events import Round, Tick
+    from services.scheduler.core.events import Round, Tick
     from services.scheduler.replay import Mismatch
 
     path = tmp_path / "r.rec"

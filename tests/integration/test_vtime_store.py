@@ -1,4 +1,4 @@
-"""The vTime script's per-window GPU-second counter (``services/scheduler/vtime_store.py``), on a
+"""The vTime script's per-window GPU-second counter (``services/scheduler/shell/vtime_store.py``), on a
 real Redis: measured service is added to ``{ns}:gpu_s:{window_s}:{index}`` in the same script that
 charges it, only while the gateway has set a quota window, with a TTL of two windows; a stale
 writer changes nothing, the window hash included.
@@ -12,8 +12,8 @@ import pytest
 from redis.asyncio import Redis
 
 from libs.protocol.keys import Keys
-from services.scheduler.effects import ChargeVTime
-from services.scheduler.vtime_store import StaleEpoch, VTimeStore
+from services.scheduler.core.effects import ChargeVTime
+from services.scheduler.shell.vtime_store import StaleEpoch, VTimeStore
 from tests.support.waiting import until
 
 

@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 from libs.protocol.messages import ExecutorHeartbeat, ImageRef, ImageRequest, NodeComplete, NodeTiming
 from libs.protocol.tensor_meta import TensorMeta
 from libs.workflow.dag import Dag, DagNode, TensorSource
-from services.scheduler.core import SchedulerCore
-from services.scheduler.effects import ChargeVTime, SendDispatch
-from services.scheduler.estimates import Estimator
-from services.scheduler.policy import Policy
+from services.scheduler.core.effects import ChargeVTime, SendDispatch
+from services.scheduler.core.estimates import Estimator
+from services.scheduler.core.policy import Policy
+from services.scheduler.core.scheduling import SchedulerCore
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,14 @@
-"""Admission from the per-tenant backlog to the core (``services/scheduler/admission.py``): the order
+"""Admission from the per-tenant backlog to the core (``services/scheduler/core/admission.py``): the order
 is the policy's (least vTime first, joiners placed as the policy lifts them), FIFO within a tenant,
 global arrival order for the FIFO baseline; queued requests past their deadline are answered."""
 
 from __future__ import annotations
 
-from services.scheduler.accounting import TenantAccount
-from services.scheduler.admission import Backlog, Queued, by_arrival, rank_for
-from services.scheduler.core import SchedulerCore
-from services.scheduler.effects import Finished
-from services.scheduler.policy import get_policy
+from services.scheduler.core.accounting import TenantAccount
+from services.scheduler.core.admission import Backlog, Queued, by_arrival, rank_for
+from services.scheduler.core.effects import Finished
+from services.scheduler.core.policy import get_policy
+from services.scheduler.core.scheduling import SchedulerCore
 from tests.unit.test_scheduler_core import complete, dispatches, hb, request, toy_dag
 
 FAIR = rank_for("fair", slack_s=5.0)

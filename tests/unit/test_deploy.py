@@ -51,7 +51,7 @@ def test_control_plane_services_import_and_validate_specs_without_torch():
 import sys
 for mod in ("torch", "diffusers", "transformers"):
     sys.modules[mod] = None  # any import of them now fails
-import services.gateway.app, services.registry.service, services.scheduler.service
+import services.gateway.app, services.registry.service, services.scheduler.shell.service
 from libs.models.flux_workflows import tiny_flux
 from libs.workflow import catalog
 from libs.workflow.validate import validate_spec

@@ -8,10 +8,10 @@ import pytest
 
 from libs.protocol.ids import ModelKey
 from libs.protocol.messages import ExecutorHeartbeat
-from services.scheduler.core import SchedulerCore
-from services.scheduler.deployment import MODES, Deployment
-from services.scheduler.effects import Finished
-from services.scheduler.policy import fifo, get_policy
+from services.scheduler.core.deployment import MODES, Deployment
+from services.scheduler.core.effects import Finished
+from services.scheduler.core.policy import fifo, get_policy
+from services.scheduler.core.scheduling import SchedulerCore
 from tests.unit.test_scheduler_core import FNS, complete, dispatches, request, toy_dag
 
 

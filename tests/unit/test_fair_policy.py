@@ -8,12 +8,12 @@ from libs.protocol.ids import ModelKey, NodeRef
 from libs.protocol.messages import ExecutorHeartbeat, ImageRef, ImageRequest, NodeComplete, NodeTiming
 from libs.protocol.tensor_meta import TensorMeta
 from libs.workflow.dag import Dag, DagNode, TensorSource
-from services.scheduler.accounting import Accounts
-from services.scheduler.core import SchedulerCore
-from services.scheduler.effects import ChargeVTime, SendDispatch
-from services.scheduler.estimates import Estimator, shape_key
-from services.scheduler.policy import fair, fifo, get_policy, sjf, vtc, vtime_lifts
-from services.scheduler.snapshot import Decision, ExecutorInfo, ReadyNode, Snapshot, TenantView, best_fit
+from services.scheduler.core.accounting import Accounts
+from services.scheduler.core.effects import ChargeVTime, SendDispatch
+from services.scheduler.core.estimates import Estimator, shape_key
+from services.scheduler.core.policy import fair, fifo, get_policy, sjf, vtc, vtime_lifts
+from services.scheduler.core.scheduling import SchedulerCore
+from services.scheduler.core.snapshot import Decision, ExecutorInfo, ReadyNode, Snapshot, TenantView, best_fit
 
 FNS = frozenset({"f.a", "f.b", "f.c"})
 

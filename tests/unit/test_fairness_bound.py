@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.scheduler.policy import get_policy
+from services.scheduler.core.policy import get_policy
 from tests.support.fairsim import Arrival, max_service_gap, simulate, windows
 
 costs = st.floats(min_value=0.01, max_value=10.0, allow_nan=False).map(lambda c: round(c, 3))
@@ -90,7 +90,7 @@ COUNTEREXAMPLES = {
 
 @pytest.mark.parametrize("case", list(COUNTEREXAMPLES))
 def test_the_literal_lift_breaks_the_bound_where_joining_tenants_are_placed_and_ours_keeps_it(case):
-    from services.scheduler import policy as pol
+    from services.scheduler.core import policy as pol
 
     arrivals, executors = COUNTEREXAMPLES[case]
     ours = simulate(get_policy("fair", 0.0), arrivals, executors)

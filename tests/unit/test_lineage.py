@@ -1,4 +1,4 @@
-"""Lineage re-execution (``services/scheduler/lineage.py``): losing an executor re-runs, within the
+"""Lineage re-execution (``services/scheduler/core/lineage.py``): losing an executor re-runs, within the
 same attempt, only the nodes whose work was lost, on hand-built DAGs driven through the core."""
 
 from __future__ import annotations
@@ -14,9 +14,8 @@ from libs.protocol.messages import (
     TensorInput,
 )
 from libs.workflow.dag import Const, Dag, DagNode, TensorSource
-from services.scheduler import lineage
-from services.scheduler.core import SchedulerCore
-from services.scheduler.effects import (
+from services.scheduler.core import lineage
+from services.scheduler.core.effects import (
     ChargeVTime,
     Finished,
     PersistRequest,
@@ -25,9 +24,10 @@ from services.scheduler.effects import (
     SendCancel,
     SendDispatch,
 )
-from services.scheduler.errors import IllegalTransition
-from services.scheduler.lifecycle import NodeState, NodeTable
-from services.scheduler.policy import fifo
+from services.scheduler.core.errors import IllegalTransition
+from services.scheduler.core.lifecycle import NodeState, NodeTable
+from services.scheduler.core.policy import fifo
+from services.scheduler.core.scheduling import SchedulerCore
 from tests.unit.test_scheduler_core import complete, control_dag, dispatches, request
 
 W, R, D, RUN, DONE = (

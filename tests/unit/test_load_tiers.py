@@ -6,10 +6,10 @@ import msgspec
 
 from libs.protocol.ids import ModelKey, NodeRef
 from libs.protocol.messages import NodeTiming
-from services.scheduler.core import SchedulerCore
-from services.scheduler.estimates import Estimator
-from services.scheduler.policy import fifo
-from services.scheduler.snapshot import ExecutorInfo, ReadyNode, best_fit, charge_for
+from services.scheduler.core.estimates import Estimator
+from services.scheduler.core.policy import fifo
+from services.scheduler.core.scheduling import SchedulerCore
+from services.scheduler.core.snapshot import ExecutorInfo, ReadyNode, best_fit, charge_for
 from tests.unit.test_scheduler_core import complete, dispatches, hb, request, toy_dag
 
 KEY = ModelKey("f.a", "m")

@@ -14,8 +14,8 @@ from types import MappingProxyType
 import pytest
 
 from libs.protocol.ids import ModelKey, NodeRef
-from services.scheduler.policy import _placeable, _Placer, fair, vtime_lifts
-from services.scheduler.snapshot import (
+from services.scheduler.core.policy import _placeable, _Placer, fair, vtime_lifts
+from services.scheduler.core.snapshot import (
     Assignment,
     Decision,
     ExecutorInfo,

@@ -19,12 +19,12 @@ from libs.protocol.messages import (
     encode,
     sched_decoder,
 )
-from services.scheduler.core import SchedulerCore
-from services.scheduler.effects import ChargeVTime, SendDispatch
-from services.scheduler.estimates import Estimator
-from services.scheduler.executors import cached_fraction
-from services.scheduler.policy import get_policy
-from services.scheduler.snapshot import ExecutorInfo, ReadyNode, best_fit, charge_for
+from services.scheduler.core.effects import ChargeVTime, SendDispatch
+from services.scheduler.core.estimates import Estimator
+from services.scheduler.core.executors import cached_fraction
+from services.scheduler.core.policy import get_policy
+from services.scheduler.core.scheduling import SchedulerCore
+from services.scheduler.core.snapshot import ExecutorInfo, ReadyNode, best_fit, charge_for
 from tests.unit.test_fair_policy import chain, done
 
 KEY = ModelKey("f.a", "m")

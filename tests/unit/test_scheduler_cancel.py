@@ -10,8 +10,8 @@ from libs.protocol.messages import ExecutorHeartbeat, NodeFailed
 from libs.sim.workflows import sim_workflow
 from libs.workflow.dag import unroll
 from libs.workflow.params import resolve_params
-from services.scheduler import progress
-from services.scheduler.effects import AppendEvent, ChargeVTime, Finished, ReleaseAttempt, SendCancel
+from services.scheduler.core import progress
+from services.scheduler.core.effects import AppendEvent, ChargeVTime, Finished, ReleaseAttempt, SendCancel
 from tests.unit.test_lineage import core_with, on, pipeline_dag, run_on
 from tests.unit.test_scheduler_core import complete, request
 

@@ -19,12 +19,12 @@ from libs.protocol.tensor_meta import TensorMeta
 from libs.workflow.dag import Dag, DagNode, TensorSource, unroll
 from libs.workflow.params import resolve_params
 from libs.workflow.validate import validate_spec
-from services.scheduler.core import SchedulerCore
-from services.scheduler.effects import Finished, PersistRequest, ReleaseAttempt, SendDispatch
-from services.scheduler.errors import IllegalTransition
-from services.scheduler.lifecycle import NodeState, NodeTable
-from services.scheduler.policy import fifo
-from services.scheduler.snapshot import ExecutorInfo, ReadyNode, Snapshot, best_fit
+from services.scheduler.core.effects import Finished, PersistRequest, ReleaseAttempt, SendDispatch
+from services.scheduler.core.errors import IllegalTransition
+from services.scheduler.core.lifecycle import NodeState, NodeTable
+from services.scheduler.core.policy import fifo
+from services.scheduler.core.scheduling import SchedulerCore
+from services.scheduler.core.snapshot import ExecutorInfo, ReadyNode, Snapshot, best_fit
 from tests.support.toyfns import CATALOG
 from tests.unit.test_workflow_dag import compose_toy
 
@@ -303,7 +303,7 @@ def run_roots(core, now=0.0):
 
 def test_a_base_model_starts_once_its_controlnet_has_started_and_gets_the_control_output_forwarded():
     from libs.protocol.messages import PendingInput
-    from services.scheduler.effects import SendCallback
+    from services.scheduler.core.effects import SendCallback
 
     core = SchedulerCore(fifo)
     for e in ("e1", "e2", "e3"):

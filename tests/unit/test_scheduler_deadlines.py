@@ -19,12 +19,12 @@ from libs.protocol.messages import (
     encode,
     sched_decoder,
 )
-from services.scheduler.core import SchedulerCore
-from services.scheduler.deadlines import MAX_AGE_S, MAX_FUTURE_S, deadline_of
-from services.scheduler.effects import ChargeVTime, Finished, ReleaseAttempt, SendCancel, SendDispatch
-from services.scheduler.guards import timing_problem
-from services.scheduler.lifecycle import NodeState
-from services.scheduler.policy import fifo
+from services.scheduler.core.deadlines import MAX_AGE_S, MAX_FUTURE_S, deadline_of
+from services.scheduler.core.effects import ChargeVTime, Finished, ReleaseAttempt, SendCancel, SendDispatch
+from services.scheduler.core.guards import timing_problem
+from services.scheduler.core.lifecycle import NodeState
+from services.scheduler.core.policy import fifo
+from services.scheduler.core.scheduling import SchedulerCore
 from tests.unit.test_scheduler_core import complete, dispatches, drive, hb, request, toy_dag
 
 WALL = 1_700_000_000.0  # unix seconds "now" in these tests; the monotonic clock reads 50.0 then

@@ -1,4 +1,4 @@
-"""The scheduler's state machine (``services/scheduler/machine.py``): a request's life from taken in
+"""The scheduler's state machine (``services/scheduler/core/machine.py``): a request's life from taken in
 to finished, driven by events alone — admission from the backlog in the policy's order, deadlines
 in the backlog, the per-tenant backlog limit, cancels wherever the request is, dispatch tokens,
 answers and timeouts, a refusal for a newer epoch — with the real core and fair policy."""
@@ -8,13 +8,20 @@ from __future__ import annotations
 import pickle
 
 from libs.protocol.messages import STALE_EPOCH
-from services.scheduler.admission import Queued
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.core import SchedulerCore
-from services.scheduler.effects import CancelDone, Finished, SendDispatch, StepDown, WriteBacklog, WriteViews
-from services.scheduler.events import Cancel, DispatchAnswer, FromExecutor, Round, Seed, TakenIn, Tick
-from services.scheduler.machine import SchedulerMachine
-from services.scheduler.policy import get_policy
+from services.scheduler.core.admission import Queued
+from services.scheduler.core.effects import (
+    CancelDone,
+    Finished,
+    SendDispatch,
+    StepDown,
+    WriteBacklog,
+    WriteViews,
+)
+from services.scheduler.core.events import Cancel, DispatchAnswer, FromExecutor, Round, Seed, TakenIn, Tick
+from services.scheduler.core.machine import SchedulerMachine
+from services.scheduler.core.policy import get_policy
+from services.scheduler.core.scheduling import SchedulerCore
 from tests.unit.test_scheduler_core import hb, request, toy_dag
 
 

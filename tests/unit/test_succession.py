@@ -1,4 +1,4 @@
-"""A scheduler process's reigns (services/scheduler/succession.py), with fake services built by
+"""A scheduler process's reigns (services/scheduler/shell/succession.py), with fake services built by
 the injected ``build``: a reign that steps down is stopped and followed by a fresh one, and a stop
 (a cancel) ends the succession even when the library code it interrupts swallows the cancel."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
-from services.scheduler.lease import LeaseLost
-from services.scheduler.succession import Succession
+from services.scheduler.shell.lease import LeaseLost
+from services.scheduler.shell.succession import Succession
 from tests.support.waiting import until
 
 

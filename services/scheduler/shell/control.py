@@ -11,7 +11,7 @@ the flags make it survive what core NATS does not promise:
   every ``POLL_S`` for the requests this leader holds; entries older than ``KEEP_S`` are trimmed
   (by then the take-in check covers the request).
 
-Both become a :class:`~services.scheduler.events.Cancel` on the scheduler's inbox; the state machine
+Both become a :class:`~services.scheduler.core.events.Cancel` on the scheduler's inbox; the state machine
 cancels the request wherever it is (``machine.py``: in the core, its running nodes are cancelled
 and refunded; in the backlog, it is answered at once) and says so with ``CancelDone``, whose poll
 entry is then removed. Cancelling an ended or unknown request does nothing. The message's tenant
@@ -40,9 +40,9 @@ from redis.asyncio import Redis
 from libs.common.metrics import SchedulerMetrics
 from libs.protocol.keys import Keys
 from libs.protocol.messages import cancel_decoder
-from services.scheduler.effects import WriteViews
-from services.scheduler.events import Cancel
-from services.scheduler.intake import REQUEST_ID
+from services.scheduler.core.effects import WriteViews
+from services.scheduler.core.events import Cancel
+from services.scheduler.shell.intake import REQUEST_ID
 
 log = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ The record is marked ``rerun`` until it completes again: that run is not charged
 :class:`NodeTable` owns the records of one attempt and the two indexes the scheduler reads on hot
 paths (ready nodes in the order they became ready, and in-flight nodes); only its transitions change
 a record's state, and each checks the state it starts from: a transition a node's state does not
-allow raises :class:`~services.scheduler.errors.IllegalTransition` before anything changes.
+allow raises :class:`~services.scheduler.core.errors.IllegalTransition` before anything changes.
 Synchronous and I/O-free, like the rest of the core.
 """
 
@@ -45,7 +45,7 @@ from enum import Enum
 
 from libs.protocol.ids import AttemptRef, NodeRef
 from libs.workflow.dag import Dag, DagNode, TensorSource
-from services.scheduler.errors import IllegalTransition
+from services.scheduler.core.errors import IllegalTransition
 
 __all__ = ["NodeRecord", "NodeState", "NodeTable"]
 

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from functools import partial
 
 from libs.protocol.ids import ModelKey
-from services.scheduler.snapshot import (
+from services.scheduler.core.snapshot import (
     Assignment,
     Decision,
     ExecutorInfo,

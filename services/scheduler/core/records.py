@@ -1,7 +1,7 @@
 """The scheduler core's record of one attempt at a request (executors: ``executors.py``).
 
-A request's nodes each have a :class:`~services.scheduler.lifecycle.NodeRecord` in the attempt's
-:class:`~services.scheduler.lifecycle.NodeTable`; what belongs to the attempt as a whole (the
+A request's nodes each have a :class:`~services.scheduler.core.lifecycle.NodeRecord` in the attempt's
+:class:`~services.scheduler.core.lifecycle.NodeTable`; what belongs to the attempt as a whole (the
 tensors its nodes produced, reads left on them, workflow outputs, what it cost) is here.
 """
 
@@ -23,8 +23,8 @@ from libs.protocol.messages import (
 )
 from libs.protocol.tensor_meta import TensorMeta
 from libs.workflow.dag import Const, Dag, ImageSource, LoraSource, TensorSource
-from services.scheduler.effects import PersistRequest
-from services.scheduler.lifecycle import NodeRecord, NodeTable
+from services.scheduler.core.effects import PersistRequest
+from services.scheduler.core.lifecycle import NodeRecord, NodeTable
 
 
 @dataclass

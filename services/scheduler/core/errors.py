@@ -8,7 +8,7 @@ from libs.errors import T2IError
 
 if TYPE_CHECKING:
     from libs.protocol.ids import NodeRef
-    from services.scheduler.lifecycle import NodeState
+    from services.scheduler.core.lifecycle import NodeState
 
 
 class SchedulerError(T2IError):

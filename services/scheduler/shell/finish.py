@@ -28,9 +28,9 @@ from libs.protocol.keys import Keys
 from libs.protocol.messages import RequestResult, encode
 from libs.protocol.subjects import Subjects
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.outbox import EVENTS_MAXLEN, EVENTS_TTL_S
-from services.scheduler.progress import end_event
-from services.scheduler.retrying import Backoff, retry_transient
+from services.scheduler.core.progress import end_event
+from services.scheduler.shell.outbox import EVENTS_MAXLEN, EVENTS_TTL_S
+from services.scheduler.shell.retrying import Backoff, retry_transient
 
 log = logging.getLogger(__name__)
 

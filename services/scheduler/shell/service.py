@@ -47,10 +47,7 @@ from libs.protocol.keys import Keys
 from libs.protocol.messages import sched_decoder
 from libs.protocol.subjects import Subjects
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.control import Control
-from services.scheduler.core import SchedulerCore
-from services.scheduler.dispatcher import Dispatcher
-from services.scheduler.effects import (
+from services.scheduler.core.effects import (
     CancelDone,
     Effect,
     Finished,
@@ -59,14 +56,17 @@ from services.scheduler.effects import (
     WriteBacklog,
     WriteViews,
 )
-from services.scheduler.events import BadCompletion, Event, FromExecutor, Round, Seed, Tick
-from services.scheduler.finish import Finisher
-from services.scheduler.intake import Intake
-from services.scheduler.lease import Lease, LeaseLost
-from services.scheduler.machine import SchedulerMachine
-from services.scheduler.outbox import Flushed, Outbox
-from services.scheduler.retrying import is_transient
-from services.scheduler.vtime_store import VTimeStore
+from services.scheduler.core.events import BadCompletion, Event, FromExecutor, Round, Seed, Tick
+from services.scheduler.core.machine import SchedulerMachine
+from services.scheduler.core.scheduling import SchedulerCore
+from services.scheduler.shell.control import Control
+from services.scheduler.shell.dispatcher import Dispatcher
+from services.scheduler.shell.finish import Finisher
+from services.scheduler.shell.intake import Intake
+from services.scheduler.shell.lease import Lease, LeaseLost
+from services.scheduler.shell.outbox import Flushed, Outbox
+from services.scheduler.shell.retrying import is_transient
+from services.scheduler.shell.vtime_store import VTimeStore
 
 log = logging.getLogger(__name__)
 

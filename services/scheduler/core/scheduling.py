@@ -6,12 +6,12 @@ a result). Nothing here awaits, sleeps or reads a clock: time comes in as ``now`
 seconds), so tests drive the core with hand-built events (vLLM's ``EngineCore.step()`` shape).
 
 Life of a request (paper §4): ``add_request`` instantiates its DAG, one
-:class:`~services.scheduler.lifecycle.NodeRecord` per node, with the roots ready; ``schedule`` asks
+:class:`~services.scheduler.core.lifecycle.NodeRecord` per node, with the roots ready; ``schedule`` asks
 the policy which ready node goes to which idle executor; ``on_complete`` records the outputs'
 metadata and releases successors whose inputs are now all available; when the last node completes
 the request finishes with the workflow outputs (PNG references). Every change of a node's state is
-a transition of its attempt's :class:`~services.scheduler.lifecycle.NodeTable`, which refuses one
-that does not start from the node's state (:class:`~services.scheduler.errors.IllegalTransition`);
+a transition of its attempt's :class:`~services.scheduler.core.lifecycle.NodeTable`, which refuses one
+that does not start from the node's state (:class:`~services.scheduler.core.errors.IllegalTransition`);
 events that arrive stale (a completion of a restarted attempt, an answer to a dispatch that was
 already requeued) are recognised here and dropped before any transition.
 
@@ -45,10 +45,10 @@ from libs.protocol.messages import (
 )
 from libs.protocol.tensor_meta import TensorMeta
 from libs.workflow.dag import Dag, TensorSource
-from services.scheduler import lineage, progress, seen, views
-from services.scheduler.accounting import Accounts
-from services.scheduler.deployment import Deployment
-from services.scheduler.effects import (
+from services.scheduler.core import lineage, progress, seen, views
+from services.scheduler.core.accounting import Accounts
+from services.scheduler.core.deployment import Deployment
+from services.scheduler.core.effects import (
     Effect,
     Finished,
     PersistRequest,
@@ -57,13 +57,13 @@ from services.scheduler.effects import (
     SendCancel,
     SendDispatch,
 )
-from services.scheduler.estimates import Estimator
-from services.scheduler.executors import ExecutorState
-from services.scheduler.guards import overdue, timing_problem
-from services.scheduler.lifecycle import NodeRecord, NodeState, NodeTable
-from services.scheduler.policy import Policy
-from services.scheduler.records import RequestRun, binding, metas_of, persist
-from services.scheduler.snapshot import Snapshot
+from services.scheduler.core.estimates import Estimator
+from services.scheduler.core.executors import ExecutorState
+from services.scheduler.core.guards import overdue, timing_problem
+from services.scheduler.core.lifecycle import NodeRecord, NodeState, NodeTable
+from services.scheduler.core.policy import Policy
+from services.scheduler.core.records import RequestRun, binding, metas_of, persist
+from services.scheduler.core.snapshot import Snapshot
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ import redis
 
 from libs.common.redis_conn import DELETE_IF_HELD, RENEW_IF_HELD
 from libs.protocol.keys import Keys
-from services.scheduler.retrying import is_transient
+from services.scheduler.shell.retrying import is_transient
 
 log = logging.getLogger(__name__)
 

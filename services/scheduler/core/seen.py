@@ -1,5 +1,5 @@
 """What the core shows its policy: each ready node and each idle executor as the immutable values of
-:mod:`services.scheduler.snapshot`, with the estimates the node would be charged. Functions of the
+:mod:`services.scheduler.core.snapshot`, with the estimates the node would be charged. Functions of the
 core's state, with no I/O; the only state they write is their own memo of a node's input shapes
 (``RequestRun.shape_keys``, see :func:`input_shapes`). The core calls them when it builds a
 snapshot."""
@@ -7,11 +7,11 @@ snapshot."""
 from __future__ import annotations
 
 from libs.workflow.dag import TensorSource
-from services.scheduler.estimates import Estimator, shape_key
-from services.scheduler.executors import ExecutorState
-from services.scheduler.lifecycle import NodeRecord
-from services.scheduler.records import RequestRun, metas_of
-from services.scheduler.snapshot import ExecutorInfo, ReadyNode
+from services.scheduler.core.estimates import Estimator, shape_key
+from services.scheduler.core.executors import ExecutorState
+from services.scheduler.core.lifecycle import NodeRecord
+from services.scheduler.core.records import RequestRun, metas_of
+from services.scheduler.core.snapshot import ExecutorInfo, ReadyNode
 
 
 def input_shapes(run: RequestRun, node_id: str) -> str:

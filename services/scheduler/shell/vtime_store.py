@@ -28,7 +28,7 @@ import time
 from redis.asyncio import Redis
 
 from libs.protocol.keys import Keys
-from services.scheduler.effects import ChargeVTime
+from services.scheduler.core.effects import ChargeVTime
 
 log = logging.getLogger(__name__)
 

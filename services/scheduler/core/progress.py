@@ -24,10 +24,10 @@ from typing import TYPE_CHECKING
 from libs.protocol.ids import split_node_id
 from libs.protocol.messages import NodeComplete, RequestResult
 from libs.workflow.dag import Dag
-from services.scheduler.effects import AppendEvent
+from services.scheduler.core.effects import AppendEvent
 
 if TYPE_CHECKING:
-    from services.scheduler.records import RequestRun
+    from services.scheduler.core.records import RequestRun
 
 StepKey = tuple[int, str]  # (the loop's iteration count, the iteration's top-level index)
 

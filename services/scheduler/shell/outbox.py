@@ -24,7 +24,7 @@ from libs.protocol.keys import Keys
 from libs.protocol.messages import LiveAttempts, ReleaseRequest, encode
 from libs.protocol.subjects import Subjects
 from libs.protocol.tensor_meta import TensorMeta
-from services.scheduler.effects import (
+from services.scheduler.core.effects import (
     AppendEvent,
     BroadcastLive,
     ChargeVTime,
@@ -34,9 +34,9 @@ from services.scheduler.effects import (
     SendCallback,
     SendCancel,
 )
-from services.scheduler.lease import Lease
-from services.scheduler.retrying import is_transient
-from services.scheduler.vtime_store import StaleEpoch, VTimeStore
+from services.scheduler.shell.lease import Lease
+from services.scheduler.shell.retrying import is_transient
+from services.scheduler.shell.vtime_store import StaleEpoch, VTimeStore
 
 log = logging.getLogger(__name__)
 

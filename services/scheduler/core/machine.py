@@ -3,15 +3,15 @@
 :class:`SchedulerMachine` owns a request's whole life once it is taken in: the backlog and the
 order of admission (``admission.py``), the per-tenant backlog limit, deadlines (in the backlog and
 in the core), cancels (wherever the request is), the dispatches in flight and their timeouts, and
-the periodic views. :class:`~services.scheduler.core.SchedulerCore` is the part that runs admitted
+the periodic views. :class:`~services.scheduler.core.scheduling.SchedulerCore` is the part that runs admitted
 requests (placement, completions, lineage, accounting). The shell (``service.py``) turns NATS
-messages, answers and timers into :mod:`~services.scheduler.events`, feeds them in one at a time
+messages, answers and timers into :mod:`~services.scheduler.core.events`, feeds them in one at a time
 from one inbox, and carries out what comes back; so a recording of the inbox replays a run
 exactly (``replay.py``).
 
 What stays with the shell is what needs I/O before there is anything to decide: decoding an intake
 message, reading its stored state and resolving its workflow at the registry (``intake.py``, which
-posts :class:`~services.scheduler.events.TakenIn` or answers the request itself), and keeping intake
+posts :class:`~services.scheduler.core.events.TakenIn` or answers the request itself), and keeping intake
 messages alive until they are acked.
 """
 
@@ -29,10 +29,9 @@ from libs.protocol.messages import (
     NodeFailed,
     RequestResult,
 )
-from services.scheduler.admission import Backlog, Queued, rank_for
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.core import SchedulerCore
-from services.scheduler.effects import (
+from services.scheduler.core.admission import Backlog, Queued, rank_for
+from services.scheduler.core.effects import (
     BroadcastLive,
     CancelDone,
     Effect,
@@ -42,7 +41,7 @@ from services.scheduler.effects import (
     WriteBacklog,
     WriteViews,
 )
-from services.scheduler.events import (
+from services.scheduler.core.events import (
     BadCompletion,
     Cancel,
     DispatchAnswer,
@@ -53,7 +52,8 @@ from services.scheduler.events import (
     TakenIn,
     Tick,
 )
-from services.scheduler.views import BusyMeter, executors_view, live_attempts
+from services.scheduler.core.scheduling import SchedulerCore
+from services.scheduler.core.views import BusyMeter, executors_view, live_attempts
 
 log = logging.getLogger(__name__)
 

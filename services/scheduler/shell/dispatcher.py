@@ -4,7 +4,7 @@ A dispatch is published to its executor's subject with a reply subject under one
 scheduler (``<inbox>.<token>``, the token the state machine gave it: ``SendDispatch.token``); the
 executor answers there with its ``Ack`` (``msg.respond``, as to any request). One subscription to
 ``<inbox>.*`` takes in every answer and posts it to the scheduler's inbox as a
-:class:`~services.scheduler.events.DispatchAnswer`. Timing out a dispatch nobody answers is the
+:class:`~services.scheduler.core.events.DispatchAnswer`. Timing out a dispatch nobody answers is the
 machine's (``machine.py``, on its ticks); one sent to a subject nobody listens on is answered at
 once by the server's no-responders status, and one whose deadline passed before it could be sent
 (the lease not certainly valid meanwhile) is not sent.
@@ -28,9 +28,9 @@ from nats.aio.subscription import Subscription
 
 from libs.protocol.messages import ack_decoder, encode
 from libs.protocol.subjects import Subjects
-from services.scheduler.effects import SendDispatch
-from services.scheduler.events import DispatchAnswer
-from services.scheduler.lease import Lease
+from services.scheduler.core.effects import SendDispatch
+from services.scheduler.core.events import DispatchAnswer
+from services.scheduler.shell.lease import Lease
 
 # post(event): hand an answer to the scheduler's inbox.
 Post = Callable[[DispatchAnswer], Awaitable[None]]

@@ -17,8 +17,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from libs.protocol.messages import NodeTiming
-from services.scheduler.lifecycle import NodeRecord
-from services.scheduler.records import RequestRun
+from services.scheduler.core.lifecycle import NodeRecord
+from services.scheduler.core.records import RequestRun
 
 TIMING_FIELDS = ("load_s", "fetch_s", "exec_s", "store_s", "load_frac")
 MAX_SECONDS = 1e6  # as ``libs.protocol.messages.Seconds``

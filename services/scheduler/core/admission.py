@@ -33,7 +33,7 @@ from functools import partial
 
 from libs.protocol.messages import ImageRequest
 from libs.workflow.dag import Dag
-from services.scheduler.accounting import TenantAccount
+from services.scheduler.core.accounting import TenantAccount
 
 
 @dataclass(slots=True)

@@ -21,8 +21,8 @@ from contextlib import AsyncExitStack
 
 from libs.common.runner import raise_if_cancelled
 from libs.common.service import own
-from services.scheduler.lease import LeaseLost
-from services.scheduler.service import SchedulerService
+from services.scheduler.shell.lease import LeaseLost
+from services.scheduler.shell.service import SchedulerService
 
 log = logging.getLogger(__name__)
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 
-from services.scheduler.accounting import Accounts
-from services.scheduler.executors import ExecutorState
-from services.scheduler.records import RequestRun
+from services.scheduler.core.accounting import Accounts
+from services.scheduler.core.executors import ExecutorState
+from services.scheduler.core.records import RequestRun
 
 
 def tenant_stats(accounts: Accounts, runs: Iterable[RequestRun]) -> dict[str, dict[str, float | int]]:

@@ -27,7 +27,7 @@ only what the rest of the request still needs (the lineage of the lost tensors):
 The outputs of a node that runs again get the same tensor ids (same attempt, node and output);
 executors replace an output they still hold under that id (``TensorStore.discard`` before ``put``).
 
-Pure functions over a :class:`~services.scheduler.records.RequestRun`; the core turns a
+Pure functions over a :class:`~services.scheduler.core.records.RequestRun`; the core turns a
 :class:`Recovery` into effects (cancels, refunds, persisted state) and carries it out with
 :func:`apply`. How the work that runs again is charged: ``docs/scheduling.md``.
 """
@@ -38,8 +38,8 @@ from collections import Counter
 from dataclasses import dataclass
 
 from libs.workflow.dag import DagNode, TensorSource
-from services.scheduler.lifecycle import NodeRecord, NodeState
-from services.scheduler.records import RequestRun, metas_of
+from services.scheduler.core.lifecycle import NodeRecord, NodeState
+from services.scheduler.core.records import RequestRun, metas_of
 
 __all__ = ["Recovery", "apply", "plan", "unrepresentable"]
 

@@ -31,10 +31,10 @@ from dataclasses import replace
 
 from libs.protocol.ids import ModelKey
 from libs.protocol.messages import ExecutorHeartbeat
-from services.scheduler.executors import ExecutorState, cached_fraction
-from services.scheduler.policy import Policy
-from services.scheduler.records import RequestRun
-from services.scheduler.snapshot import (
+from services.scheduler.core.executors import ExecutorState, cached_fraction
+from services.scheduler.core.policy import Policy
+from services.scheduler.core.records import RequestRun
+from services.scheduler.core.snapshot import (
     Assignment,
     Decision,
     ExecutorInfo,

@@ -1,5 +1,5 @@
 """The scheduler's inputs: every one is a typed event on the shell's one inbox, handled by
-:meth:`SchedulerMachine.handle(event, now) <services.scheduler.machine.SchedulerMachine.handle>`.
+:meth:`SchedulerMachine.handle(event, now) <services.scheduler.core.machine.SchedulerMachine.handle>`.
 
 Events are plain data (picklable: a recording of the inbox is a list of them with their times,
 ``replay.py``). Nothing here carries an I/O handle: an intake message is named by its request id,
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from libs.protocol.ids import NodeRef
 from libs.protocol.messages import ExecutorGoodbye, ExecutorHeartbeat, NodeComplete, NodeFailed
-from services.scheduler.admission import Queued
+from services.scheduler.core.admission import Queued
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,8 +19,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from services.scheduler.effects import ChargeVTime
-from services.scheduler.snapshot import TenantView
+from services.scheduler.core.effects import ChargeVTime
+from services.scheduler.core.snapshot import TenantView
 
 
 @dataclass

@@ -21,7 +21,7 @@ slow registry lookup does not hold up the others; otherwise they are taken in on
 the order they arrive. Every message of a fetched batch is registered (and so kept alive) before
 the first is taken in.
 
-A request taken in is posted to the scheduler's inbox (a :class:`~services.scheduler.events.TakenIn`,
+A request taken in is posted to the scheduler's inbox (a :class:`~services.scheduler.core.events.TakenIn`,
 still kept alive here); from then on its life is the state machine's (``machine.py``: the backlog,
 admission in the policy's order, the per-tenant backlog limit — ``rate_limited``, docs/scheduling.md
 "Per-tenant limits" — and its deadline).
@@ -50,12 +50,12 @@ from libs.protocol.subjects import Subjects
 from libs.workflow.dag import Dag, unroll
 from libs.workflow.errors import ParamError
 from libs.workflow.params import resolve_params
-from services.scheduler.admission import Queued
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.deadlines import Deadline, deadline_of
-from services.scheduler.events import TakenIn
-from services.scheduler.machine import cancelled, failed
-from services.scheduler.retrying import Backoff, is_transient
+from services.scheduler.core.admission import Queued
+from services.scheduler.core.deadlines import Deadline, deadline_of
+from services.scheduler.core.events import TakenIn
+from services.scheduler.core.machine import cancelled, failed
+from services.scheduler.shell.retrying import Backoff, is_transient
 
 log = logging.getLogger(__name__)
 
