@@ -167,8 +167,9 @@ def stop(procs: list[subprocess.Popen], timeout: float = 10.0) -> None:
 
 if __name__ == "__main__":  # `python -m libs.launcher.brokers`: used by `make` to start what is missing
     from libs.common.settings import common_settings
+    from libs.launcher.settings import launcher_settings
 
     s = common_settings()
-    procs = ensure_brokers(s.nats_url, s.redis_url, Path(os.environ.get("T2I_VAR", "var")))
+    procs = ensure_brokers(s.nats_url, s.redis_url, Path(launcher_settings().var))
     for p in procs:
         print(f"started pid {p.pid} (left running; stop it with `kill {p.pid}`)")

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import re
 import sys
 import time
@@ -199,10 +198,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from libs.common.settings import common_settings
+    from libs.launcher.settings import launcher_settings
     from libs.workflow.spec import encode_spec
 
     try:
-        entries = parse_entries(" ".join([os.environ.get("T2I_WORKFLOWS", ""), *args.workflow]))
+        entries = parse_entries(" ".join([launcher_settings().workflows, *args.workflow]))
         specs: list[tuple[str, bytes]] = []
         loras: dict[str, str] = {}
         if not args.no_catalog:

@@ -35,6 +35,7 @@ END = "<!-- /settings -->"
 
 def sources() -> list[tuple[str, type[msgspec.Struct]]]:
     from libs.common.settings import CommonSettings
+    from libs.launcher.settings import LauncherSettings
     from services.executor.config import ExecutorConfig
     from services.gateway.config import GatewayConfig
     from services.registry.config import RegistryConfig
@@ -42,6 +43,7 @@ def sources() -> list[tuple[str, type[msgspec.Struct]]]:
 
     return [
         ("T2I_", CommonSettings),
+        ("T2I_", LauncherSettings),
         ("T2I_GATEWAY_", GatewayConfig),
         ("T2I_REGISTRY_", RegistryConfig),
         ("T2I_SCHEDULER_", SchedulerConfig),
