@@ -18,7 +18,10 @@ Two phases per entry path:
   adds per step of a DAG, the fixed per-request costs spread over its nodes.
 * **load**: ``--inflight`` requests kept in flight (closed loop) until ``--requests`` are done.
   *Node dispatches per second* are the nodes of the requests that finished within the middle 80%
-  of the run (by completion order), over that window's length.
+  of the run (by completion order), over that window's length. Beside the load, from 10% of it
+  done until it ends, a light tenant's solo requests are probed the same way: the added latency
+  per node and the overhead *under* the load (a request's own wait for a free GPU included, which
+  the fair policy keeps short for a light tenant), printed as ``under the load``.
 
 *Overhead* (the paper's: the share of total execution time the system adds): the p50 added latency
 per node times the critical-path nodes, over the critical path's work at the profile's real speed
@@ -58,6 +61,7 @@ from libs.workflow.spec import encode_spec  # noqa: E402
 
 WORKFLOWS = {"sd3-medium-like": sd3_medium_like, "flux1-dev-like": flux1_dev_like}
 TENANTS = [f"t{i}" for i in range(8)]
+PROBE_TENANT = "probe"  # the probes during the load: a light tenant, as a newcomer's request is
 
 
 def critical_path(spec, profile) -> tuple[int, float, int]:
@@ -230,13 +234,25 @@ class Client:
         return time.monotonic() - t0 if ok else None
 
 
-async def probe(client: Client, n: int, paths: dict[str, tuple[int, float, int]], scale: float) -> dict:
+async def probe(
+    client: Client,
+    n: int,
+    paths: dict[str, tuple[int, float, int]],
+    scale: float,
+    tenants: list[str] = TENANTS,
+    until: asyncio.Event | None = None,
+) -> dict:
+    """``n`` requests one at a time (fewer if ``until`` is set first: the load they run beside ended)."""
     added: dict[str, list[float]] = {w: [] for w in WORKFLOWS}
     lat: dict[str, list[float]] = {w: [] for w in WORKFLOWS}
     net: list[float] = []  # added per node net of the executors' measured time (intake only)
+    sent = 0
     for i in range(n):
+        if until is not None and until.is_set():
+            break
+        sent += 1
         wf = list(WORKFLOWS)[i % len(WORKFLOWS)]
-        t = await client.one(wf, TENANTS[i % len(TENANTS)], 1000 + i)
+        t = await client.one(wf, tenants[i % len(tenants)], 1000 + i)
         if t is None:
             continue
         nodes, work, _ = paths[wf]
@@ -246,8 +262,8 @@ async def probe(client: Client, n: int, paths: dict[str, tuple[int, float, int]]
             net.append((t - client.gpu_s * scale * nodes / paths[wf][2]) / nodes)
     every = [x for xs in added.values() for x in xs]
     return {
-        "requests": n,
-        "failed": n - len(every),
+        "requests": sent,
+        "failed": sent - len(every),
         "added_per_node_ms": {"p50": 1e3 * pct(every, 0.5), "p99": 1e3 * pct(every, 0.99)},
         "net_of_executor_time_ms": {"p50": 1e3 * pct(net, 0.5), "p99": 1e3 * pct(net, 0.99)} if net else None,
         "by_workflow": {
@@ -261,8 +277,24 @@ async def probe(client: Client, n: int, paths: dict[str, tuple[int, float, int]]
     }
 
 
-async def load(client: Client, total: int, inflight: int, paths, pids: dict[str, int]) -> dict:
+async def load(
+    client: Client,
+    total: int,
+    inflight: int,
+    paths,
+    pids: dict[str, int],
+    probes: int = 0,
+    scale: float = 1.0,
+) -> dict:
+    """The closed-loop load; with ``probes``, solo requests of a light tenant measured beside it
+    (from 10% of the requests done until the load ends): added per node *under* the load."""
     done: list[tuple[float, int]] = []  # (completion time, nodes)
+    ended, warm = asyncio.Event(), asyncio.Event()
+
+    async def probing() -> dict | None:
+        await warm.wait()
+        return await probe(client, probes, paths, scale, [PROBE_TENANT], until=ended)
+
     failed = 0
     nxt = 0
     before = {name: cpu_ticks(pid) for name, pid in pids.items()}
@@ -278,10 +310,16 @@ async def load(client: Client, total: int, inflight: int, paths, pids: dict[str,
                 failed += 1
             else:
                 done.append((time.monotonic(), paths[wf][2]))
+                if len(done) >= total // 10:
+                    warm.set()
 
     t0 = time.monotonic()
+    beside = asyncio.create_task(probing()) if probes else None
     await asyncio.gather(*(worker() for _ in range(inflight)))
     wall = time.monotonic() - t0
+    ended.set()
+    warm.set()
+    under = await beside if beside is not None else None
     hz = os.sysconf("SC_CLK_TCK")
     cpu = {name: (cpu_ticks(pid) - before[name]) / hz / wall for name, pid in pids.items()}
     lo, hi = int(0.1 * len(done)), max(int(0.9 * len(done)) - 1, 0)
@@ -295,6 +333,7 @@ async def load(client: Client, total: int, inflight: int, paths, pids: dict[str,
         "dispatches_per_s": nodes / window if window > 0 else 0.0,
         "dispatches_per_s_whole_run": sum(n for _, n in done) / wall,
         "cpu_cores": {k: round(v, 3) for k, v in sorted(cpu.items(), key=lambda kv: -kv[1])},
+        "probe_under_load": under,
     }
 
 
@@ -314,7 +353,7 @@ async def run_path(via: str, args, paths, nats_url: str, redis_url: str) -> dict
         sim_profile="paper-h800",
         sim_time_scale=args.scale,
         sim_heartbeat_s=args.heartbeat_s,
-        api_keys=",".join(["sk-admin=bench:admin", *(f"sk-{t}={t}" for t in TENANTS)]),
+        api_keys=",".join(["sk-admin=bench:admin", *(f"sk-{t}={t}" for t in [*TENANTS, PROBE_TENANT])]),
         nats_url=nats_url,
         redis_url=redis_url,
         scheduler_env={
@@ -352,7 +391,9 @@ async def run_path(via: str, args, paths, nats_url: str, redis_url: str) -> dict
             await asyncio.gather(*(client.one(w, t, 0) for w in WORKFLOWS for t in TENANTS))
             result = {"via": via, "probe": await probe(client, args.probes, paths, args.scale)}
             print(f"  [{via}] probe: {json.dumps(result['probe']['added_per_node_ms'])}", file=sys.stderr)
-            result["load"] = await load(client, args.requests, args.inflight, paths, pids)
+            result["load"] = await load(
+                client, args.requests, args.inflight, paths, pids, probes=args.probes, scale=args.scale
+            )
             print(f"  [{via}] load: {json.dumps(result['load'])}", file=sys.stderr)
             if args.probe_after:
                 result["probe_after_load"] = await probe(client, args.probes, paths, args.scale)
@@ -369,10 +410,10 @@ def write_json(path: Path, doc: dict) -> None:
     path.write_text(json.dumps(doc, indent=1))
 
 
-def overhead(res: dict, paths) -> float:
+def overhead(res: dict, paths, phase: str = "probe") -> float:
     """p50 added per node × critical-path nodes over the critical-path work at real speed (summed
-    over the mix), as a percentage."""
-    added = res["probe"]["by_workflow"]
+    over the mix), as a percentage; ``phase``: the idle probes, or ``under_load``."""
+    added = (res["load"]["probe_under_load"] if phase == "under_load" else res["probe"])["by_workflow"]
     extra = sum(added[w]["added_per_node_ms_p50"] / 1e3 * paths[w][0] for w in WORKFLOWS)
     work = sum(paths[w][1] for w in WORKFLOWS)
     return 100.0 * extra / work
@@ -427,6 +468,8 @@ async def main() -> int:
             t0 = time.monotonic()
             res = await run_path(via, args, paths, nats_url, redis_url)
             res["overhead_pct"] = overhead(res, paths)
+            if res["load"].get("probe_under_load"):
+                res["overhead_under_load_pct"] = overhead(res, paths, "under_load")
             res["overhead_by_workflow_pct"] = {
                 w: 100.0 * res["probe"]["by_workflow"][w]["added_per_node_ms_p50"] / 1e3 * p[0] / p[1]
                 for w, p in paths.items()
@@ -451,6 +494,8 @@ async def main() -> int:
         "dispatches_needed_per_s": needed,
         "definitions": {
             "added_per_node": "(end-to-end latency - simulated critical-path work) / critical-path nodes, solo requests",
+            "probe_under_load": "added_per_node of solo requests of a light tenant sent one at a time beside the load"
+            " (from 10% of it done until it ends), and the overhead from them",
             "dispatches_per_s": "nodes of the requests finished in the middle 80% of the load phase / its length",
             "overhead": "p50 added per node x critical-path nodes / critical-path work at H800 speed, over the mix",
             "net_of_executor_time": "as added_per_node, less the executors' own measured time (their sleeps last"
@@ -477,6 +522,13 @@ async def main() -> int:
             f"{r['via']:8s}{r['load']['dispatches_per_s']:9.0f}{a['p50']:13.2f}{a['p99']:13.2f}"
             f"{net['p50'] if net else float('nan'):9.2f}{r['overhead_pct']:9.1f}%  {cpu}"
         )
+        under = r["load"].get("probe_under_load")
+        if under and under["requests"] > under["failed"]:
+            u = under["added_per_node_ms"]
+            print(
+                f"{'':8s}under the load ({under['requests'] - under['failed']} probes of tenant {PROBE_TENANT!r}): "
+                f"p50 {u['p50']:.2f} ms/node, p99 {u['p99']:.2f}, overhead {r['overhead_under_load_pct']:.1f}%"
+            )
         per = r["overhead_by_workflow_pct"]
         print(f"{'':8s}overhead per workflow: " + ", ".join(f"{w} {x:.1f}%" for w, x in per.items()))
         lag = r.get("loop_lag") or {}
