@@ -238,7 +238,8 @@ class SchedulerMachine:
         effects = self._timed_out(now) + self.core.expire(now)
         for item in self.backlog.expired(now):
             effects.append(Finished(failed(item.req.request_id, _late(item, now), "timeout"), item.tenant))
-        effects.append(WriteBacklog(self.backlog.counts()))
+        counts = self.backlog.counts()
+        effects.append(WriteBacklog(counts))
         self.busy.sample(self.core.executors, now)
         cfg = self.cfg
         if cfg.reconcile_s > 0 and now - self._last_live >= cfg.reconcile_s:
@@ -251,7 +252,7 @@ class SchedulerMachine:
                 self._last_stats = now
                 stats = self.core.stats()
             view = executors_view(self.core.executors, self.busy.busy, now, wall)
-            effects.append(WriteViews(self.core.tenant_stats(), self.backlog.counts(), view, stats))
+            effects.append(WriteViews(self.core.tenant_stats(), counts, view, stats))
         return effects
 
 

@@ -114,11 +114,12 @@ class Control:
                 log.warning("polling the cancels failed: %s: %s", type(e).__name__, e)
 
     # -- views ------------------------------------------------------------------------------------
-    def _once(self, what: str, write: Coroutine) -> None:
+    def _busy(self, what: str) -> bool:
+        """Whether the last write of ``what`` is still under way (the next one is then skipped)."""
         running = self._writing.get(what)
-        if running is not None and not running.done():
-            write.close()
-            return
+        return running is not None and not running.done()
+
+    def _start(self, what: str, write: Coroutine) -> None:
         self._writing[what] = asyncio.create_task(write)
 
     def write_views(self, e: WriteViews) -> None:
@@ -127,7 +128,8 @@ class Control:
             log.info("state: %s", e.stats)
             for tenant, v in sorted(e.tenants.items()):
                 log.info("tenant %s: %s", tenant, " ".join(f"{k}={v[k]}" for k in sorted(v)))
-        self._once("views", self._write_views(e))
+        if not self._busy("views"):
+            self._start("views", self._write_views(e))
 
     async def _write_views(self, e: WriteViews) -> None:
         if e.tenants:
@@ -160,13 +162,10 @@ class Control:
         anyway (to renew the key's TTL). A tenant whose count fell to zero is written as 0 once
         (HDEL is not among the scheduler's Redis commands); the first write replaces whatever an
         earlier scheduler left."""
-        if counts == self._backlog and now - self._backlog_at < self.view_s:
-            return
-        running = self._writing.get("backlog")
-        if running is not None and not running.done():
+        if (counts == self._backlog and now - self._backlog_at < self.view_s) or self._busy("backlog"):
             return
         self._backlog_at = now
-        self._writing["backlog"] = asyncio.create_task(self._write_backlog(counts))
+        self._start("backlog", self._write_backlog(counts))
 
     async def _write_backlog(self, counts: dict[str, int]) -> None:
         key = self.keys.backlog

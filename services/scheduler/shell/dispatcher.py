@@ -52,7 +52,6 @@ class Dispatcher:
         self._queue: list[SendDispatch] = []
         self._wake = asyncio.Event()
         self._inbox = ""
-        self.dropped = 0  # dispatches not sent: their deadline passed while the lease was in doubt
 
     async def start(self) -> Subscription:
         """Subscribe to this scheduler's answers inbox (under the connection's inbox prefix)."""
@@ -75,9 +74,10 @@ class Dispatcher:
                 continue
             epoch = self.lease.epoch
             now = time.monotonic()
+            if late := sum(e.deadline <= now for e in batch):
+                log.warning("%d dispatches not sent: past their deadline while the lease was in doubt", late)
             for e in batch:
                 if e.deadline <= now:  # the machine times it out (and sends the node elsewhere)
-                    self.dropped += 1
                     continue
                 msg = msgspec.structs.replace(e.msg, epoch=epoch)
                 try:

@@ -183,9 +183,6 @@ class Outbox:
         else:
             log.error("carrying out %s failed", what, exc_info=ex)
 
-    async def _persist(self, e: PersistRequest) -> None:
-        await self._persist_many([e])
-
     async def _persist_many(self, batch: list[PersistRequest | AppendEvent]) -> None:
         """The batch's request state, coalesced per request (the fields as the last of its effects
         left them, tensor metadata dropped and added in order), and only the fields that changed
