@@ -225,6 +225,22 @@ class Bridge:
                 out.append(ImageState(now))
         return out
 
+    async def progress(self, request_ids: list[str]) -> dict[str, int]:
+        """Nodes done and denoising steps finished over these requests (the scheduler keeps them in
+        each request's hash)."""
+        names = ("nodes_done", "nodes_total", "step", "steps")
+        pipe = self.redis.pipeline(transaction=False)
+        for rid in request_ids:
+            pipe.hmget(self.keys.request(rid), *names)
+        total = dict.fromkeys(names, 0)
+        for values in await pipe.execute():
+            for name, raw in zip(names, values, strict=True):
+                try:
+                    total[name] += int(float(raw)) if raw else 0
+                except ValueError:
+                    continue
+        return total
+
     async def fetch_image(self, ref: ImageRef, delete: bool) -> bytes | None:
         assert self.images is not None
         images = self.images

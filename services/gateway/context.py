@@ -15,6 +15,7 @@ from services.gateway.bridge import Bridge
 from services.gateway.config import GatewayConfig
 from services.gateway.limits import TenantLimits
 from services.gateway.records import Records
+from services.gateway.webhooks import Webhooks
 
 CONFIG = web.AppKey("config", GatewayConfig)
 COMMON = web.AppKey("common", CommonSettings)
@@ -26,6 +27,7 @@ PROM = web.AppKey("prom", GatewayMetrics)  # Prometheus series (observe.py)
 ADMISSION = web.AppKey("admission", Admission)
 LIMITS = web.AppKey("limits", TenantLimits)
 DECODE_SLOTS = web.AppKey("decode_slots", asyncio.Semaphore)
-KEY_TURNS = web.AppKey("key_turns", dict)  # (tenant, Idempotency-Key) -> its turn (images.key_turn)
+KEY_TURNS = web.AppKey("key_turns", dict)  # (tenant, Idempotency-Key) -> its turn (idempotency.key_turn)
 TASKS = web.AppKey("tasks", set)  # generation tasks that outlive their HTTP call
+WEBHOOKS = web.AppKey("webhooks", Webhooks)
 PRINCIPAL = web.RequestKey("principal", Principal)

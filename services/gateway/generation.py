@@ -6,20 +6,24 @@ extensions (``seed``, ``num_inference_steps``, ``guidance_scale``, and ``params`
 workflow parameter). ``size: "auto"`` is the workflow's default size; ``output_format`` is ``png``,
 ``jpeg`` or ``webp`` (transcoded at the gateway, ``formats.py``), with ``output_compression`` 0-100
 for the lossy two. Every problem is reported with the field it concerns; nothing reaches the bus
-before the body is fully valid.
+before the body is fully valid (``image_requests`` builds what does: one message per image).
 """
 
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import dataclass
 from typing import Any
 
+from libs.protocol.messages import ImageRequest, encode
 from libs.workflow.errors import ParamError
 from libs.workflow.params import resolve_params
 from libs.workflow.spec import Scalar, WorkflowSpec, parse_size
+from services.gateway.body import BUS_PAYLOAD_LIMIT, too_large
 from services.gateway.errors import ApiError, invalid
 from services.gateway.formats import DEFAULT_COMPRESSION, OUTPUT_FORMATS
+from services.gateway.records import GenerationRecord
 
 # Fields of OpenAI's API that do not apply to these workflows; accepted so OpenAI clients work.
 IGNORED = {"user", "quality", "style", "moderation"}
@@ -170,3 +174,24 @@ def _field_for(param: str, body: dict[str, Any]) -> str:
     if param in EXTENSIONS or param == "prompt":
         return param
     return f"params.{param}" if param in body.get("params", {}) else param
+
+
+def image_requests(rec: GenerationRecord, spec: WorkflowSpec, gen: Generation) -> list[ImageRequest]:
+    """The bus messages of a checked call: one ``ImageRequest`` per image, each within the bus's
+    payload limit (413 naming ``params`` otherwise)."""
+    reqs = []
+    now = time.time()
+    for rid, params in zip(rec.request_ids, gen.params, strict=True):
+        req = ImageRequest(
+            request_id=rid,
+            tenant=rec.tenant,
+            workflow=spec.name,
+            version=spec.version,
+            params=params,
+            submitted_at=now,
+            timeout_s=rec.timeout_s,
+        )
+        if len(encode(req)) > BUS_PAYLOAD_LIMIT:
+            raise too_large("the prompt and parameters of one image", BUS_PAYLOAD_LIMIT, param="params")
+        reqs.append(req)
+    return reqs

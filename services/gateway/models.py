@@ -1,10 +1,11 @@
-"""``GET /v1/models`` and ``GET /v1/models/{id}``: the workflows, as OpenAI's model objects.
+"""The workflows as OpenAI's model objects (``GET /v1/models``: ``routes/models.py``), and looking
+a workflow up by the name a call gives as ``model``.
 
-OpenAI clients find what they may pass as ``model`` here (``client.models.list()``); a workflow
-is that model. OpenAI's object needs ``created`` and ``owned_by``, which the registry does not keep
-(a workflow is versioned content, not an account's object), so the gateway keeps them itself in
-one Redis string per workflow, ``{ns}:gw:model:{name}`` (JSON ``{"created", "owned_by"}``, no
-expiry: a workflow is never deleted):
+OpenAI clients find what they may pass as ``model`` in that list (``client.models.list()``); a
+workflow is that model. OpenAI's object needs ``created`` and ``owned_by``, which the registry does
+not keep (a workflow is versioned content, not an account's object), so the gateway keeps them
+itself in one Redis string per workflow, ``{ns}:gw:model:{name}`` (JSON ``{"created",
+"owned_by"}``, no expiry: a workflow is never deleted):
 
 - a registration through this gateway records the registering tenant and the time, unless the
   name already has an entry (the first registration owns the name: later versions keep it);
@@ -24,12 +25,29 @@ import msgspec
 from aiohttp import web
 from redis.exceptions import RedisError
 
+from libs.common.registry_client import WorkflowNotFound
 from libs.protocol.keys import Keys
 from libs.protocol.messages import WorkflowSummary
+from libs.workflow.spec import WorkflowSpec
+from libs.workflow.validate import WORKFLOW_NAME
+from services.gateway.bridge import Bridge
 from services.gateway.context import BRIDGE, COMMON
-from services.gateway.images import lookup_workflow
+from services.gateway.errors import ApiError
 
 log = logging.getLogger(__name__)
+
+
+async def lookup_workflow(bridge: Bridge, name: str, param: str = "model") -> WorkflowSpec:
+    """The workflow ``name`` (its latest version), or 404 naming the field ``param`` that gave it."""
+    try:
+        if not WORKFLOW_NAME.match(name):  # cannot exist; and a long name would not fit on the bus
+            raise WorkflowNotFound(name[:64])
+        return await bridge.registry.get(name)
+    except WorkflowNotFound:
+        name = name if len(name) <= 64 else name[:64] + "..."
+        raise ApiError(
+            404, f"{param}: workflow {name!r} not found", param=param, code="model_not_found"
+        ) from None
 
 
 class ModelInfo(msgspec.Struct):
@@ -78,7 +96,7 @@ def _decode(raw: bytes | None) -> ModelInfo | None:
         return None
 
 
-async def _infos(app: web.Application, names: list[str]) -> dict[str, ModelInfo]:
+async def infos(app: web.Application, names: list[str]) -> dict[str, ModelInfo]:
     """``created``/``owned_by`` of each name, recording those seen for the first time. Plain
     GET/SET NX per name (a pipeline): the gateway's Redis user may run only those on its keys."""
     redis = app[BRIDGE].redis
@@ -98,7 +116,7 @@ async def _infos(app: web.Application, names: list[str]) -> dict[str, ModelInfo]
     return {name: _decode(raw) or now for name, raw in zip(names, replies[1::2], strict=True)}
 
 
-def _model(w: WorkflowSummary, info: ModelInfo) -> Model:
+def model_object(w: WorkflowSummary, info: ModelInfo) -> Model:
     return Model(
         id=w.name,
         created=info.created,
@@ -108,24 +126,3 @@ def _model(w: WorkflowSummary, info: ModelInfo) -> Model:
         sizes=list(w.sizes),
         params=list(w.params),
     )
-
-
-async def list_models(request: web.Request) -> web.Response:
-    workflows = (await request.app[BRIDGE].registry.list()).workflows
-    infos = await _infos(request.app, [w.name for w in workflows])
-    body = ModelList(data=[_model(w, infos[w.name]) for w in workflows])
-    return web.Response(body=msgspec.json.encode(body), content_type="application/json")
-
-
-async def get_model(request: web.Request) -> web.Response:
-    spec = await lookup_workflow(request.app[BRIDGE], request.match_info["id"], param="id")
-    info = (await _infos(request.app, [spec.name]))[spec.name]
-    summary = WorkflowSummary(
-        name=spec.name,
-        version=spec.version,
-        description=spec.description,
-        params=sorted(spec.params),
-        sizes=list(spec.sizes),
-    )
-    body = _model(summary, info)
-    return web.Response(body=msgspec.json.encode(body), content_type="application/json")

@@ -95,7 +95,7 @@ def error_of(
         return ApiError(422, message, code=code)
     if code == "timeout":
         return ApiError(504, message, code=code)
-    if code == "cancelled" or result.status == "cancelled":  # jobs.py: by the cancel route or a hang-up
+    if code == "cancelled" or result.status == "cancelled":  # Call.cancel: by the cancel route or a hang-up
         why = f": {message}" if message else ""
         return ApiError(409, f"request {request_id} was cancelled{why}", code="cancelled")
     if code == "rate_limited":  # the tenant's backlog at the scheduler is full (max_tenant_backlog)

@@ -10,7 +10,8 @@ from aiohttp import web
 
 from services.gateway import webhooks
 from services.gateway.errors import ApiError
-from services.gateway.jobs import format_cursor, parse_cursor, wants_async
+from services.gateway.routes.images import wants_async
+from services.gateway.routes.requests import format_cursor, parse_cursor
 from tests.conftest import free_port
 
 
