@@ -81,6 +81,8 @@ class NodeRecord:
     retries: int = 0  # failures retried so far
     pending: dict[str, TensorSource] = field(default_factory=dict)  # inputs dispatched pending
     rerun: bool = False  # undone after it completed: runs again at the platform's cost (lineage.py)
+    # What the policy saw of it last, while READY: ``seen.ready_node``'s cache (None: build anew).
+    view: tuple | None = field(default=None, repr=False, compare=False)
 
     @property
     def in_flight(self) -> bool:

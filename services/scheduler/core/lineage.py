@@ -130,6 +130,7 @@ def apply(run: RequestRun, recovery: Recovery, now: float) -> None:
         nodes.undo(nid, now)
     for src in recovery.dropped:
         run.tensors.pop(src, None)
+    run.tensors_version += 1
     reads = Counter(
         src
         for rec in nodes.records.values()

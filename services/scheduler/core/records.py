@@ -38,6 +38,7 @@ class RequestRun:
     deadline: float
     nodes: NodeTable
     tensors: dict[TensorSource, TensorMeta | list[TensorMeta]] = field(default_factory=dict)
+    tensors_version: int = 0  # changed with every change to ``tensors``: what the memos check
     reads_left: dict[TensorSource, int] = field(default_factory=dict)
     sinks: dict[str, ImageRef] = field(default_factory=dict)
     executors: set[str] = field(default_factory=set)
@@ -48,8 +49,8 @@ class RequestRun:
     job_s: float = 0.0  # estimated total work of the request
     reruns: int = 0  # completed nodes run again after an executor was lost (lineage.py)
     rerun_s: float = 0.0  # measured GPU time of those runs: the platform's, not charged to the tenant
-    # node id -> (its inputs' metadata objects, their shape key): ``seen.input_shapes``'s cache
-    shape_keys: dict[str, tuple[tuple, str]] = field(default_factory=dict)
+    # node id -> (``tensors_version`` when computed, its inputs' shape key): ``seen.input_shapes``'s cache
+    shape_keys: dict[str, tuple[int, str]] = field(default_factory=dict)
     # Denoising steps (``progress.py``): each looped node's step, nodes per step, nodes of each step
     # not done yet, and the steps whose nodes all are.
     step_of: dict[str, tuple[int, str]] = field(default_factory=dict)

@@ -254,10 +254,14 @@ class SchedulerCore:
     # -- scheduling ---------------------------------------------------------------------------------
     def snapshot(self, now: float) -> Snapshot:
         idle_execs = [e for e in self.executors.values() if e.idle]
-        kinds = {e.kind for e in idle_execs}
-        kind = next(iter(kinds)) if len(kinds) == 1 else None  # estimates per kind when unambiguous
+        # Estimates per kind when unambiguous: the idle executors' (where nodes may go), or with
+        # none idle (a round for vTime lifts only, no estimate used) every executor's, so that the
+        # ready nodes' values are not all rebuilt for it and again for the next round.
+        kinds = {e.kind for e in idle_execs or self.executors.values()}
+        kind = next(iter(kinds)) if len(kinds) == 1 else None
+        memo: dict = {}  # estimates per (ModelFn, model, shapes), looked up once per snapshot
         ready = tuple(
-            seen.ready_node(run, rec, self.estimator, kind)
+            seen.ready_node(run, rec, self.estimator, kind, now, memo)
             for run in self.runs.values()
             for rec in run.nodes.ready.values()
         )
@@ -424,6 +428,7 @@ class SchedulerCore:
             src = TensorSource(node.id, out)
             if src in run.dag.consumers:
                 run.tensors[src] = meta
+                run.tensors_version += 1
                 new_tensors.update((m.tensor_id, m) for m in metas_of(meta))
         for consumer in run.dag.cb_successors.get(node.id, ()):  # running consumers wait for these
             c = run.nodes[consumer]

@@ -1,7 +1,8 @@
 """What the core shows its policy: each ready node and each idle executor as the immutable values of
 :mod:`services.scheduler.core.snapshot`, with the estimates the node would be charged. Functions of the
-core's state, with no I/O; the only state they write is their own memo of a node's input shapes
-(``RequestRun.shape_keys``, see :func:`input_shapes`). The core calls them when it builds a
+core's state, with no I/O; the only state they write is their own memos: of a node's input shapes
+(``RequestRun.shape_keys``, see :func:`input_shapes`), of the value last built for a ready node
+(``NodeRecord.view``) and for an idle executor (``ExecutorState.info_cache``). The core calls them when it builds a
 snapshot."""
 
 from __future__ import annotations
@@ -17,32 +18,66 @@ from services.scheduler.core.snapshot import ExecutorInfo, ReadyNode
 def input_shapes(run: RequestRun, node_id: str) -> str:
     """The estimator's key for a node's tensor input shapes (as far as they are known).
 
-    Kept per node while the metadata of its inputs is the same (the same objects): every
-    snapshot asks it of every ready node, and building the key was a tenth of the scheduler's
-    time under load (docs/scheduling.md, "Control-plane speed")."""
-    node = run.dag.nodes[node_id]
-    tensors = run.tensors
-    present = tuple(tensors.get(src) for src in node.inputs.values() if isinstance(src, TensorSource))
+    Kept per node while the request's tensors are unchanged (``RequestRun.tensors_version``):
+    every dispatch asks it, and building the key was a tenth of the scheduler's time under load
+    (docs/scheduling.md, "Control-plane speed")."""
     hit = run.shape_keys.get(node_id)
-    if (
-        hit is not None
-        and len(hit[0]) == len(present)
-        and all(a is b for a, b in zip(hit[0], present, strict=True))
-    ):
+    if hit is not None and hit[0] == run.tensors_version:
         return hit[1]
+    tensors = run.tensors
     key = shape_key(
         (name, [d for m in metas_of(tensors[src]) for d in m.shape])
-        for name, src in node.inputs.items()
+        for name, src in run.dag.nodes[node_id].inputs.items()
         if isinstance(src, TensorSource) and src in tensors
     )
-    run.shape_keys[node_id] = (present, key)
+    run.shape_keys[node_id] = (run.tensors_version, key)
     return key
 
 
-def ready_node(run: RequestRun, rec: NodeRecord, estimator: Estimator, kind: str | None) -> ReadyNode:
+# How long a ready node's snapshot value is reused while nothing about the node changed (its
+# request's tensors, when it became ready, the executor kind its estimates are for): only its
+# estimates can be older, by at most this much, as an idle executor's ``load`` is.
+VIEW_REUSE_S = 0.05
+
+
+def ready_node(
+    run: RequestRun,
+    rec: NodeRecord,
+    estimator: Estimator,
+    kind: str | None,
+    now: float,
+    memo: dict[tuple[str, str, str], tuple[float, float, float]] | None = None,
+) -> ReadyNode:
     """A ready node as the policy sees it: where its inputs are, and its estimated times on
-    executors of ``kind`` (any kind when None)."""
+    executors of ``kind`` (any kind when None).
+
+    Incremental: every round shows the policy every ready node, and with a few hundred of them
+    building each anew was the largest part of a round (docs/scheduling.md, "Control-plane speed");
+    the value built last is reused while the request's tensors are unchanged, the node has not
+    left READY since, and its estimates are at most ``VIEW_REUSE_S`` old. ``memo``: the estimates
+    already looked up for this snapshot, per (ModelFn, model, input shapes) (a snapshot's ready
+    nodes share a few of those)."""
+    v = rec.view
+    if (
+        v is not None
+        and v[0] == run.tensors_version
+        and v[1] == rec.ready_since
+        and v[2] == kind
+        and 0.0 <= now - v[3] <= VIEW_REUSE_S
+    ):
+        return v[4]
     node = rec.node
+    shapes = input_shapes(run, node.id)
+    key = (node.fn, node.model, shapes)
+    est = None if memo is None else memo.get(key)
+    if est is None:
+        est = (
+            estimator.estimate(node.fn, node.model, shapes, kind),
+            estimator.load_estimate(node.fn, node.model, kind),
+            estimator.load_estimate(node.fn, node.model, kind, tier="host"),
+        )
+        if memo is not None:
+            memo[key] = est
     tensors = run.tensors
     inputs = tuple(
         (m.executor, m.nbytes)
@@ -50,7 +85,7 @@ def ready_node(run: RequestRun, rec: NodeRecord, estimator: Estimator, kind: str
         if isinstance(s, TensorSource) and s in tensors
         for m in metas_of(tensors[s])
     )
-    return ReadyNode(
+    view = ReadyNode(
         ref=rec.ref,
         tenant=run.req.tenant,
         fn=node.fn,
@@ -59,12 +94,14 @@ def ready_node(run: RequestRun, rec: NodeRecord, estimator: Estimator, kind: str
         submitted_at=run.arrived,
         ready_since=rec.ready_since,
         inputs=inputs,
-        est_s=estimator.estimate(node.fn, node.model, input_shapes(run, node.id), kind),
-        load_s=estimator.load_estimate(node.fn, node.model, kind),
-        load_host_s=estimator.load_estimate(node.fn, node.model, kind, tier="host"),
+        est_s=est[0],
+        load_s=est[1],
+        load_host_s=est[2],
         remaining_s=rec.critical_s,
         job_s=run.job_s,
     )
+    rec.view = (run.tensors_version, rec.ready_since, kind, now, view)
+    return view
 
 
 # How long a snapshot value of an executor with a decaying load is reused (its ``load`` is then

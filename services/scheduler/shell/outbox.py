@@ -56,13 +56,41 @@ return #KEYS
 """
 
 
-# A batch's request state goes out in pipelines of this many requests' commands, and its progress
-# entries in script calls of this many: at 256 simulated GPUs, building and packing one pipeline
-# for a whole batch was the longest callback on the event loop (100-370 ms under asyncio's debug
-# mode, which runs about 3x slower: bench/scale.py --asyncio-debug); in pieces, the loop serves
-# other work while Redis answers each. Order is kept: they go one after another.
+# A batch's request state in one call per chunk of requests (KEYS: each request's state key and
+# tensor-metadata key; ARGV: the TTL, then one JSON array with, per request, [its changed fields as
+# a flat [name, value, ...] list, expire the state key (0/1), drop the tensors first (0/1), the
+# tensors as a flat [id, metadata JSON, ...] list, expire the tensors key (0/1)]). Values are
+# strings formatted here as redis-py formats them (Lua would print numbers with 14 digits). One
+# argument encoded in C instead of a pipelined HSET/EXPIRE/DEL per request: packing those was a
+# tenth of the scheduler's time at 64 simulated GPUs (docs/scheduling.md, "Control-plane speed").
+_PERSIST = """
+local ttl = ARGV[1]
+local items = cjson.decode(ARGV[2])
+for i, it in ipairs(items) do
+  local key, tkey = KEYS[2 * i - 1], KEYS[2 * i]
+  redis.call('HSET', key, unpack(it[1]))
+  if it[2] == 1 then redis.call('EXPIRE', key, ttl) end
+  if it[3] == 1 then redis.call('DEL', tkey) end
+  if #it[4] > 0 then
+    redis.call('HSET', tkey, unpack(it[4]))
+    if it[5] == 1 then redis.call('EXPIRE', tkey, ttl) end
+  end
+end
+return #items
+"""
+
+# A batch's request state goes out in script calls of this many requests, and its progress entries
+# in script calls of this many: at 256 simulated GPUs, building one call for a whole batch was the
+# longest callback on the event loop (100-370 ms under asyncio's debug mode, which runs about 3x
+# slower: bench/scale.py --asyncio-debug); in pieces, the loop serves other work while Redis
+# answers each. Order is kept: they go one after another.
 _REQUESTS_PER_CALL = 200
 _EVENTS_PER_CALL = 500
+
+
+def _text(v: str | int | float) -> str:
+    """A field value as redis-py would send it (``repr`` of a float: round-trip exact)."""
+    return repr(v) if isinstance(v, float) else str(v)
 
 
 @dataclass(frozen=True)
@@ -207,18 +235,18 @@ class Outbox:
             m[1].update(e.tensors)
         ttl = self.request_ttl_s
         stamp = time.time()
+        updated = _text(stamp)
         pipe = self.redis.pipeline(transaction=False)
+        keys: list[str] = []
+        items: list[list] = []
         try:
-            for n, (rid, (fields, tensors, drop)) in enumerate(merged.items(), 1):
-                key = self.keys.request(rid)
+            for rid, (fields, tensors, drop) in merged.items():
                 last = self._written.get(rid)
                 ending = fields.get("status") in _ENDED
-                if last is None or ending:
-                    pipe.hset(key, mapping={**fields, "updated_at": stamp})
-                    pipe.expire(key, ttl)
-                else:
-                    changed = {k: v for k, v in fields.items() if last.get(k) != v}
-                    pipe.hset(key, mapping={**changed, "updated_at": stamp})
+                full = last is None or ending
+                changed = fields if full else {k: v for k, v in fields.items() if last.get(k) != v}
+                flat = [x for k, v in changed.items() for x in (k, _text(v))]
+                flat += ("updated_at", updated)
                 if ending:
                     self._written.pop(rid, None)
                     self._tensors_ttl.discard(rid)
@@ -226,17 +254,21 @@ class Outbox:
                     self._written[rid] = fields
                 else:
                     last.update(fields)
-                tkey = self.keys.tensors(rid)
                 if drop[0]:
-                    pipe.delete(tkey)
                     self._tensors_ttl.discard(rid)
-                if tensors:
-                    pipe.hset(tkey, mapping={tid: msgspec.json.encode(m) for tid, m in tensors.items()})
-                    if rid not in self._tensors_ttl:  # once per key: it lives as long as the request's
-                        pipe.expire(tkey, ttl)
-                        self._tensors_ttl.add(rid)
-                if n % _REQUESTS_PER_CALL == 0:  # sent now: the loop runs while Redis answers
+                metas = [x for tid, m in tensors.items() for x in (tid, msgspec.json.encode(m).decode())]
+                expire_tensors = bool(tensors) and rid not in self._tensors_ttl  # once per key
+                if expire_tensors:
+                    self._tensors_ttl.add(rid)
+                keys += (self.keys.request(rid), self.keys.tensors(rid))
+                items.append([flat, int(full), int(drop[0]), metas, int(expire_tensors)])
+                if len(items) == _REQUESTS_PER_CALL:  # sent now: the loop runs while Redis answers
+                    pipe.eval(_PERSIST, len(keys), *keys, ttl, msgspec.json.encode(items))
                     await pipe.execute()
+                    keys, items = [], []
+            if items:
+                # EVAL, not EVALSHA: see below.
+                pipe.eval(_PERSIST, len(keys), *keys, ttl, msgspec.json.encode(items))
             t = round(stamp, 3)
             for ev in events:
                 ev.data["t"] = t

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import time
 
+import msgspec
 from redis.asyncio import Redis
 
 from libs.protocol.keys import Keys
@@ -63,22 +64,25 @@ return {vs, os, ss}
 
 
 # Many changes in one call (one per scheduler tick: ``apply_many``), fenced once. KEYS as above;
-# ARGV: the writer's epoch, the window hash's TTL in s (or ''), then six per change: tenant, delta,
-# set vtime|'', ops delta, op floor|'', service delta. Applied in order, as one ``_CHARGE`` each.
+# ARGV: the writer's epoch, the window hash's TTL in s (or ''), then the changes as one JSON array of
+# [tenant, delta, set vtime|null, ops delta, op floor|null, service delta]: one argument, encoded in
+# C, where six per change cost the scheduler a twentieth of its time in packing them. Applied in
+# order, as one ``_CHARGE`` each (JSON numbers decode to the same doubles: the sums are the same).
 _CHARGE_MANY = """
 local e = tonumber(redis.call('GET', KEYS[4]) or '0')
 if tonumber(ARGV[1]) < e then return {'stale', tostring(e)} end
-for b = 3, #ARGV, 6 do
-  local t = ARGV[b]
+local changes = cjson.decode(ARGV[3])
+for _, c in ipairs(changes) do
+  local t = c[1]
   local v = tonumber(redis.call('HGET', KEYS[1], t) or '0')
-  if ARGV[b + 2] ~= '' then v = tonumber(ARGV[b + 2]) end
-  v = v + tonumber(ARGV[b + 1])
+  if c[3] ~= cjson.null then v = c[3] end
+  v = v + c[2]
   redis.call('HSET', KEYS[1], t, string.format('%.17g', v))
   local o = tonumber(redis.call('HGET', KEYS[2], t) or '0')
-  if ARGV[b + 4] ~= '' then o = math.max(o, tonumber(ARGV[b + 4])) end
-  o = o + tonumber(ARGV[b + 3])
+  if c[5] ~= cjson.null then o = math.max(o, c[5]) end
+  o = o + c[4]
   redis.call('HSET', KEYS[2], t, string.format('%d', o))
-  local sd = tonumber(ARGV[b + 5])
+  local sd = c[6]
   local s = tonumber(redis.call('HGET', KEYS[3], t) or '0') + sd
   redis.call('HSET', KEYS[3], t, string.format('%.17g', s))
   if KEYS[5] and sd ~= 0 then
@@ -87,7 +91,7 @@ for b = 3, #ARGV, 6 do
     redis.call('EXPIRE', KEYS[5], ARGV[2])
   end
 end
-return {'ok', tostring((#ARGV - 2) / 6)}
+return {'ok', tostring(#changes)}
 """
 
 
@@ -159,10 +163,20 @@ class VTimeStore:
         if any(c.service_s for c in changes) and (window := await self.window_s()) > 0:
             keys.append(self.keys.gpu_window(window, int(time.time() // window)))
             ttl = str(2 * window)
-        args: list[str] = [str(int(self.epoch)), ttl]
-        for c in changes:
-            args += _charge_args(c)
-        reply = await self._charge_many(keys=keys, args=args)
+        batch = msgspec.json.encode(
+            [
+                [
+                    c.tenant,
+                    float(c.delta),
+                    None if c.set_vtime is None else float(c.set_vtime),
+                    int(c.ops),
+                    None if c.op_floor is None else int(c.op_floor),
+                    float(c.service_s),
+                ]
+                for c in changes
+            ]
+        )
+        reply = await self._charge_many(keys=keys, args=[str(int(self.epoch)), ttl, batch])
         if reply[0] in (b"stale", "stale"):
             current = reply[1].decode() if isinstance(reply[1], bytes) else reply[1]
             raise StaleEpoch(f"vTime write refused: epoch {self.epoch} < {current}")
@@ -179,7 +193,7 @@ class VTimeStore:
 
 
 def _charge_args(c: ChargeVTime) -> list[str]:
-    """One change as the scripts read it: tenant, delta, set_vtime, ops, op_floor, service_s."""
+    """One change as ``_CHARGE`` reads it: tenant, delta, set_vtime, ops, op_floor, service_s."""
     return [
         c.tenant,
         repr(float(c.delta)),
