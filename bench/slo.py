@@ -236,10 +236,10 @@ async def run_mode(st: Setting, mode: str, args, sweeps: list[str], pts: dict, u
                 api_keys=keys,
                 nats_url=urls[0],
                 redis_url=urls[1],
-                scheduler_env={"T2I_SCHEDULER_POLICY": "fair"},
+                scheduler_env={"T2I_SCHEDULER_POLICY": "fair", "T2I_SCHEDULER_DEPLOYMENT": mode},
                 # every mode shares the box's host tier (256 GB: every model of S2 fits); simulated
                 # executors model it as every load reading pinned host memory at the profile's rate
-                extra_env={"T2I_SCHEDULER_DEPLOYMENT": mode, "T2I_EXECUTOR_HOST_TIER_MB": "262144"},
+                extra_env={"T2I_EXECUTOR_HOST_TIER_MB": "262144"},
             )
             async with running(stack):
                 await register(stack, st.specs, ADMIN)

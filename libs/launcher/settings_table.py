@@ -36,7 +36,7 @@ END = "<!-- /settings -->"
 def sources() -> list[tuple[str, type[msgspec.Struct]]]:
     from libs.common.settings import CommonSettings
     from libs.launcher.settings import LauncherSettings
-    from services.executor.config import ExecutorConfig
+    from services.executor.config import DataplaneSettings, ExecutorConfig
     from services.gateway.config import GatewayConfig
     from services.registry.config import RegistryConfig
     from services.scheduler.config import SchedulerConfig
@@ -48,6 +48,7 @@ def sources() -> list[tuple[str, type[msgspec.Struct]]]:
         ("T2I_REGISTRY_", RegistryConfig),
         ("T2I_SCHEDULER_", SchedulerConfig),
         ("T2I_EXECUTOR_", ExecutorConfig),
+        ("T2I_DATAPLANE_", DataplaneSettings),
     ]
 
 

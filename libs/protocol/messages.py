@@ -106,6 +106,9 @@ class Dispatch(_Msg, tag="dispatch"):
     # The fencing token of the scheduler that sent it (its lease's epoch): an executor refuses a
     # dispatch with a lower one than it has seen (``STALE_EPOCH``): that scheduler was replaced.
     epoch: int = 0
+    # The sending scheduler's deployment mode (ours|nocache|wcache|mcache): how the scheduler
+    # tells executors whose cache mode is not set which granularity to cache weights at.
+    deployment: Annotated[str, msgspec.Meta(max_length=16)] = ""
 
     @property
     def ref(self) -> NodeRef:

@@ -21,7 +21,7 @@ from libs.common.settings import common_settings
 from libs.protocol.subjects import Subjects
 from libs.workflow import catalog
 from services.executor.advertise import Advertiser, WithCompanions
-from services.executor.config import ExecutorConfig
+from services.executor.config import DataplaneSettings, ExecutorConfig
 from services.executor.service import ExecutorGroup, ExecutorService
 
 
@@ -39,12 +39,13 @@ def _pow2_at_least(n: int) -> int:
 
 
 def granularity(cfg: ExecutorConfig) -> str:
-    """How cached weights are kept (``T2I_EXECUTOR_CACHE_MODE``, else from the deployment mode
-    ``T2I_SCHEDULER_DEPLOYMENT`` the scheduler runs, else ``layer``: docs/scheduling.md)."""
+    """How cached weights are kept at start: ``T2I_EXECUTOR_CACHE_MODE``, else ``layer`` until the
+    scheduler's first dispatch names its deployment mode (``ExecutorService.follow_deployment``;
+    docs/scheduling.md, "Deployment modes")."""
     from libs.dataplane.weights import cache_granularity
 
     try:
-        return cache_granularity(cfg.cache_mode, os.environ.get("T2I_SCHEDULER_DEPLOYMENT", ""))
+        return cache_granularity(cfg.cache_mode)
     except ValueError as e:
         raise SystemExit(f"T2I_EXECUTOR_CACHE_MODE: {e}") from None
 
@@ -192,6 +193,14 @@ async def build(stack: AsyncExitStack) -> WithCompanions:
     raise SystemExit(f"T2I_EXECUTOR_MODE must be 'real' or 'sim', not {cfg.mode!r}")
 
 
+def dataplane_token() -> str:
+    """The tcp data plane's shared secret (``T2I_DATAPLANE_TOKEN`` or ``_TOKEN_FILE``)."""
+    try:
+        return load_config(DataplaneSettings, "T2I_DATAPLANE_").secret()
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+
+
 async def build_real(stack: AsyncExitStack, cfg: ExecutorConfig) -> WithCompanions:
     common = common_settings()
     executor_id = _safe_id(cfg.id or f"exec-{socket.gethostname()}-{os.getpid()}")
@@ -227,6 +236,7 @@ async def build_real(stack: AsyncExitStack, cfg: ExecutorConfig) -> WithCompanio
             executor_id=executor_id,
             capacity=_pow2_at_least(cfg.arena_mb << 20),
             host=cfg.host,
+            token=dataplane_token(),
             timeout=cfg.dataplane_timeout_s,
             max_connections=cfg.dataplane_max_connections,
             device=cfg.device,
@@ -282,6 +292,7 @@ async def build_real(stack: AsyncExitStack, cfg: ExecutorConfig) -> WithCompanio
         reconcile_grace_s=cfg.reconcile_grace_s,
         metrics=await _metrics(stack, common),
         gpu=lease.gpu if lease is not None and lease.gpu is not None else "",
+        follow_deployment=not cfg.cache_mode,
     )
     ready = (
         f"executor ready in {time.perf_counter() - t0:.1f}s: {cfg.device}, {cfg.threads} threads, "
@@ -333,6 +344,7 @@ async def build_simulated(stack: AsyncExitStack, cfg: ExecutorConfig) -> WithCom
                 attempt_ttl_s=cfg.attempt_ttl_s,
                 reconcile_grace_s=cfg.reconcile_grace_s,
                 metrics=metrics,
+                follow_deployment=not cfg.cache_mode,
             )
         )
     ready = (

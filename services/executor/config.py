@@ -66,8 +66,8 @@ class ExecutorConfig(msgspec.Struct, forbid_unknown_fields=True):
     # The unit cached weights are kept and evicted in (docs/scheduling.md, "Deployment modes"):
     # "layer" (ServerlessT2I: layer prefixes), or the paper's baselines "model" (MCache: whole models),
     # "workflow" (WCache: whole workflows, a copy of each model per workflow) and "none" (NoCache:
-    # nothing stays once a request ends). "" (default): from T2I_SCHEDULER_DEPLOYMENT when set (the
-    # same setting, ours|mcache|wcache|nocache, read by both services), else "layer".
+    # nothing stays once a request ends). "" (default): the granularity of the scheduler's deployment
+    # mode, which its dispatches name (the executor follows it from its first dispatch).
     cache_mode: Literal["", "layer", "model", "workflow", "none"] = ""
     # Component dtype per model name (as in specs): "tiny-flux=bfloat16,*=float16"; "*" for every
     # other model; unset: the family's default on the device (bf16/fp16 on CUDA, libs.models.families;
@@ -90,3 +90,28 @@ class ExecutorConfig(msgspec.Struct, forbid_unknown_fields=True):
     sim_count: int = 1  # simulated executors (GPUs) in this process
     sim_profile: str = "paper-h800"  # a shipped profile name (libs/sim/profiles) or a JSON path
     sim_time_scale: float = 1.0  # <1 replays faster than real time; reported times are unscaled
+
+
+class DataplaneSettings(msgspec.Struct, forbid_unknown_fields=True):
+    """The data plane's settings outside ``T2I_EXECUTOR_*`` (``T2I_DATAPLANE_*``): named for the
+    data plane, as one box's executors share them. Read by the executor, which hands them on."""
+
+    # The tcp data plane's shared secret (peers authenticate with HMAC; docs/dataplane.md), or a
+    # file holding it (a mounted secret, surrounding whitespace stripped); set one, not both.
+    token: str = ""
+    token_file: str = ""
+
+    def secret(self) -> str:
+        """The token (read from ``token_file`` when that is set; "" for none). ValueError when
+        both are set or the file cannot be read."""
+        if self.token and self.token_file:
+            raise ValueError("set T2I_DATAPLANE_TOKEN or T2I_DATAPLANE_TOKEN_FILE, not both")
+        if not self.token_file:
+            return self.token
+        try:
+            with open(self.token_file) as f:
+                return f.read().strip()
+        except OSError as e:
+            raise ValueError(
+                f"T2I_DATAPLANE_TOKEN_FILE: cannot read {self.token_file}: {e.strerror}"
+            ) from None

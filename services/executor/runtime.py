@@ -34,7 +34,7 @@ import torch
 
 from libs.dataplane.errors import DataPlaneError, PeerBusyError, TransportError
 from libs.dataplane.store import Lease, TensorStore
-from libs.dataplane.weights import cache_key, model_of, per_model
+from libs.dataplane.weights import cache_granularity, cache_key, model_of, per_model
 from libs.errors import is_retryable
 from libs.models.families import DTYPES, device_dtype, family_of_fn, parse_dtypes  # noqa: F401 - re-exported
 from libs.protocol.errors import BadTensorMetaError
@@ -433,6 +433,9 @@ class NodeRunner:
     def request_ended(self, request_id: str) -> None:
         """The scheduler released ``request_id`` (NoCache: nothing of it stays on the device)."""
         self.models.weights.end_request(request_id)
+
+    def follow(self, deployment: str) -> bool:
+        return self.models.weights.policy.regranulate(cache_granularity("", deployment))
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

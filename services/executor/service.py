@@ -82,6 +82,11 @@ class Runner(Protocol):
         """The scheduler released ``request_id`` (NoCache: nothing of it stays on the device)."""
         ...
 
+    def follow(self, deployment: str) -> bool:
+        """Cache weights at the granularity of the scheduler's ``deployment`` mode from now on;
+        False (unchanged) when weights are already cached at another. ValueError: unknown mode."""
+        ...
+
     def resident(self) -> list[ModelKey]: ...
 
     def cached(self) -> dict[ModelKey, tuple[int, int, int, int]]:
@@ -127,6 +132,7 @@ class ExecutorService:
         reconcile_grace_s: float = 30.0,
         metrics: ExecutorMetrics | None = None,
         gpu: str = "",
+        follow_deployment: bool = True,
     ) -> None:
         # Shared by a process's executors (the ``executor`` label tells them apart); a registry of
         # its own otherwise, so executors built side by side in a test do not collide.
@@ -169,6 +175,10 @@ class ExecutorService:
         self._tasks: set[asyncio.Task] = set()
         self._closed = False
         self.epoch = 0  # the highest scheduler epoch seen (fencing)
+        # Cache weights at the granularity of the deployment mode the scheduler's dispatches name
+        # (False: the operator set the cache mode); the mode followed so far ("": none yet).
+        self.follow_deployment = follow_deployment
+        self._deployment = ""
 
     # -- lifecycle ------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -372,6 +382,25 @@ class ExecutorService:
         )
         return freed
 
+    def _follow(self, deployment: str) -> None:
+        """The scheduler's deployment mode, as its dispatch names it: cache weights at its
+        granularity (an executor learns it from its first dispatch, before anything is cached)."""
+        before, self._deployment = self._deployment, deployment
+        try:
+            followed = self.runner.follow(deployment)
+        except ValueError as e:
+            log.warning("the scheduler's deployment mode is not one this executor knows: %s", e)
+            return
+        if followed:
+            log.info("caching weights for the scheduler's %r deployment mode", deployment)
+        else:
+            log.warning(
+                "the scheduler's deployment mode is now %r (was %r) but weights are cached already; "
+                "they stay cached as before: restart this executor, or set T2I_EXECUTOR_CACHE_MODE",
+                deployment,
+                before or "unknown",
+            )
+
     async def _accept(self, d: Dispatch, msg: Msg) -> None:
         if self.current is not None or self._closed or self._wedged.is_set():
             await msg.respond(encode(Ack(ok=False, error=f"busy with {self.current}", seq=self.seq)))
@@ -379,6 +408,8 @@ class ExecutorService:
         if not msg.reply:  # nobody could be told it runs (the scheduler always asks): not taken
             log.warning("dropped dispatch %s: it has no reply subject", d.ref)
             return
+        if self.follow_deployment and d.deployment and d.deployment != self._deployment:
+            self._follow(d.deployment)
         self.current = d.ref
         try:
             await msg.respond(encode(Ack(ok=True, seq=self.seq)))

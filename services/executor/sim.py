@@ -38,6 +38,7 @@ from libs.dataplane.weights import (
     LAYER,
     CachePolicy,
     Eviction,
+    cache_granularity,
     cache_key,
     per_model,
     pipelined_seconds,
@@ -199,6 +200,9 @@ class SimRunner:
     def cached(self) -> dict[ModelKey, tuple[int, int, int, int]]:
         """Per model with any layer on the device: (resident layers, layers, resident bytes, bytes)."""
         return per_model(self.policy.snapshot())  # type: ignore[return-value]  # keys are ModelKeys
+
+    def follow(self, deployment: str) -> bool:
+        return self.policy.regranulate(cache_granularity("", deployment))
 
     def request_ended(self, request_id: str) -> None:
         """The scheduler released ``request_id``: under NoCache nothing of it stays on the device."""

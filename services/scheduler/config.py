@@ -12,7 +12,8 @@ class SchedulerConfig(msgspec.Struct, forbid_unknown_fields=True):
     policy: Literal["fair", "fifo", "sjf", "vtc"] = "fair"
     # "ours" (per-node dispatch), or the paper's baselines (§8.1) "nocache", "wcache", "mcache": each
     # request runs whole on one executor, held exclusively (deployment.py; docs/scheduling.md).
-    # Executors read it too, for their cache granularity (unless T2I_EXECUTOR_CACHE_MODE is set).
+    # Its dispatches name it: executors cache weights at its granularity (unless
+    # T2I_EXECUTOR_CACHE_MODE is set).
     deployment: Literal["ours", "nocache", "wcache", "mcache"] = "ours"
     slack_s: float = 5.0  # the fair policy's Δ: vTime a tenant may lead the least-served one by
     tick_s: float = 0.2  # how often deadlines and executor liveness are checked

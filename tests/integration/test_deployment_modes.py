@@ -1,6 +1,7 @@
 """Each deployment mode end to end (docs/scheduling.md, "Deployment modes (baselines)"): registry,
 scheduler, gateway and two simulated executors as processes over the real NATS and Redis, the mode
-set once (``T2I_SCHEDULER_DEPLOYMENT``, which the executors read for their cache granularity).
+set once, for the scheduler only (``T2I_SCHEDULER_DEPLOYMENT``): the executors cache weights at the
+mode's granularity because the scheduler's dispatches name it.
 
 Two workflows, ``a-wf`` and ``b-wf``, share all four models of one family. Four requests run one
 after the other (a, a, b, b); every node's completion is read off the bus, so the test sees where
@@ -74,7 +75,7 @@ async def run_mode(broker_urls, tmp: Path, mode: str) -> list[list[NodeComplete]
         api_keys="sk-alice=alice,sk-ops=ops:admin",
         nats_url=nats_url,
         redis_url=redis_url,
-        extra_env={"T2I_SCHEDULER_DEPLOYMENT": mode},
+        scheduler_env={"T2I_SCHEDULER_DEPLOYMENT": mode},
     )
     executors = {i for ids in stack.executor_ids().values() for i in ids}
     events: dict[str, list[NodeComplete]] = {}

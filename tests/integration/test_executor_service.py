@@ -133,3 +133,33 @@ async def test_a_dispatch_without_a_reply_subject_is_not_taken_and_the_executor_
     assert ack.ok, ack.error
     assert await until(lambda: any(isinstance(e, NodeComplete) for e in events)), "no NodeComplete"
     assert [e.node_id for e in events if isinstance(e, NodeComplete)] == ["n"] and service.nodes_run == 1
+
+
+async def test_the_executor_caches_at_the_granularity_of_the_deployment_mode_its_dispatches_name(
+    executor,
+) -> None:
+    """The scheduler tells executors its deployment mode in every dispatch: one with nothing cached
+    yet takes the mode's granularity (MCache: whole models); once weights are cached a different
+    mode leaves it as it is."""
+    service, nc, subjects, events = executor
+    assert service.runner.policy.granularity == "layer"  # nothing said yet: ServerlessT2I's own
+    d = Dispatch("r", 1, "n", "t", "toy.fn", "m", {}, [OutputPlan("a", 0)], deployment="mcache")
+    ack = ack_decoder.decode((await nc.request(subjects.executor(EXECUTOR), encode(d), timeout=10)).data)
+    assert ack.ok
+    assert await until(lambda: any(isinstance(e, NodeComplete) for e in events)), "no NodeComplete"
+    assert service.runner.policy.granularity == "model" and service.runner.resident()
+    again = Dispatch("r", 1, "n2", "t", "toy.fn", "m", {}, [OutputPlan("a", 0)], deployment="wcache")
+    ack = ack_decoder.decode((await nc.request(subjects.executor(EXECUTOR), encode(again), timeout=10)).data)
+    assert ack.ok
+    assert await until(lambda: sum(isinstance(e, NodeComplete) for e in events) == 2), "no 2nd completion"
+    assert service.runner.policy.granularity == "model"  # weights cached: unchanged (and a warning)
+
+
+async def test_an_executor_whose_cache_mode_is_set_does_not_follow_the_scheduler(executor) -> None:
+    service, nc, subjects, events = executor
+    service.follow_deployment = False  # what T2I_EXECUTOR_CACHE_MODE set does (services/executor/__main__.py)
+    d = Dispatch("r", 1, "n", "t", "toy.fn", "m", {}, [OutputPlan("a", 0)], deployment="nocache")
+    ack = ack_decoder.decode((await nc.request(subjects.executor(EXECUTOR), encode(d), timeout=10)).data)
+    assert ack.ok
+    assert await until(lambda: any(isinstance(e, NodeComplete) for e in events)), "no NodeComplete"
+    assert service.runner.policy.granularity == "layer"

@@ -36,8 +36,7 @@ async def test_a_harness_point_per_mode(broker_urls, tmp_path, mode: str) -> Non
         api_keys=keys,
         nats_url=broker_urls[0],
         redis_url=broker_urls[1],
-        scheduler_env={"T2I_SCHEDULER_POLICY": "fair"},
-        extra_env={"T2I_SCHEDULER_DEPLOYMENT": mode},
+        scheduler_env={"T2I_SCHEDULER_POLICY": "fair", "T2I_SCHEDULER_DEPLOYMENT": mode},
     )
     async with slo.running(stack):
         await slo.register(stack, st.specs, slo.ADMIN)

@@ -19,6 +19,7 @@ import torch
 
 import libs.dataplane.transport.shm as shm_module
 import libs.dataplane.transport.tcp as tcp_module
+from libs.common.config import load_config
 from libs.dataplane.errors import (
     AuthenticationError,
     PeerBusyError,
@@ -40,23 +41,17 @@ from libs.dataplane.transport.wire import (
     STATUS_AUTH_FAILED,
     STATUS_BUSY,
     STATUS_OK,
-    TOKEN_ENV,
     VERSION,
     resolve_token,
 )
 from libs.protocol.errors import BadTensorMetaError
 from libs.protocol.tensor_meta import TensorMeta, check_meta, decode_meta, encode_meta
+from services.executor.config import DataplaneSettings
 from tests.support.waiting import until_sync
 
 KIB = 1024
 BOUND = 30.0  # upper bound on waits that normally take milliseconds
 SHORT = 0.3  # the timeout the timeout tests configure
-
-
-@pytest.fixture(autouse=True)
-def _no_ambient_token(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(TOKEN_ENV, raising=False)
-    monkeypatch.delenv(TOKEN_ENV + "_FILE", raising=False)
 
 
 @pytest.fixture
@@ -281,12 +276,12 @@ def test_a_client_with_a_token_refuses_a_server_without_one() -> None:
             ours.read(_peer_meta(open_peer), memoryview(bytearray(4)))
 
 
-def test_the_token_defaults_to_the_environment(monkeypatch: pytest.MonkeyPatch, namespace: str) -> None:
-    monkeypatch.setenv(TOKEN_ENV, "from-env")
+def test_an_executor_passes_the_token_of_its_settings_to_its_transport(namespace: str) -> None:
+    token = load_config(DataplaneSettings, "T2I_DATAPLANE_", {"T2I_DATAPLANE_TOKEN": "from-env"}).secret()
     with (
-        make_transport("tcp", namespace=namespace, executor_id="p", capacity=64 * KIB) as peer,
-        _tcp() as ours,
-        _tcp(token="") as without,
+        make_transport("tcp", namespace=namespace, executor_id="p", capacity=64 * KIB, token=token) as peer,
+        _tcp(token="from-env") as ours,
+        _tcp() as without,
     ):
         assert isinstance(peer, TcpTransport) and peer.authenticated and not without.authenticated
         peer.arena.buf[:3] = b"env"
@@ -297,18 +292,18 @@ def test_the_token_defaults_to_the_environment(monkeypatch: pytest.MonkeyPatch, 
             without.read(_peer_meta(peer, 3), dst)  # type: ignore[arg-type]
 
 
-def test_the_token_may_come_from_a_mounted_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_the_token_may_come_from_a_mounted_file(tmp_path: Path) -> None:
     (tmp_path / "token").write_text("from-file\n")
-    monkeypatch.setenv(TOKEN_ENV + "_FILE", str(tmp_path / "token"))
-    assert resolve_token(None) == b"from-file" and resolve_token("explicit") == b"explicit"
-    assert resolve_token("") is None
-    monkeypatch.setenv(TOKEN_ENV, "both")
+
+    def secret(**env: str) -> str:
+        return load_config(DataplaneSettings, "T2I_DATAPLANE_", env).secret()
+
+    assert secret(T2I_DATAPLANE_TOKEN_FILE=str(tmp_path / "token")) == "from-file"
+    assert secret() == "" and resolve_token("") is None and resolve_token("explicit") == b"explicit"
     with pytest.raises(ValueError, match="not both"):
-        resolve_token(None)
-    monkeypatch.delenv(TOKEN_ENV)
-    monkeypatch.setenv(TOKEN_ENV + "_FILE", str(tmp_path / "missing"))
+        secret(T2I_DATAPLANE_TOKEN="both", T2I_DATAPLANE_TOKEN_FILE=str(tmp_path / "token"))
     with pytest.raises(ValueError, match="cannot read"):
-        TcpTransport("127.0.0.1", capacity=64 * KIB)
+        secret(T2I_DATAPLANE_TOKEN_FILE=str(tmp_path / "missing"))
 
 
 def _hello(sock: socket.socket) -> tuple[bytes, int, int, int, bytes]:

@@ -30,7 +30,7 @@ def make_transport(
     ``"shm"``: arena in segment ``t2i-<namespace>-<executor_id>`` (peers on this host, of the
     same user: the segment is mode 0600).
     ``"tcp"``: heap arena served on ``host`` at a free port (peers anywhere). ``token`` is the
-    shared secret peers authenticate with (default ``$T2I_DATAPLANE_TOKEN``, ``""`` for none),
+    shared secret peers authenticate with (``""`` or None: none; an executor's ``T2I_DATAPLANE_TOKEN``),
     ``timeout`` bounds every socket operation, ``max_connections`` caps the server's connections.
     ``"cuda_ipc"``: a device arena on ``device``, exported to the box's other executors through
     segment ``t2i-<namespace>-<executor_id>`` (``transport/ipc.py``).

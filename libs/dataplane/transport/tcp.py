@@ -5,8 +5,8 @@ that answers "read ``nbytes`` at ``offset``" from its arena; the executor's own 
 involved (the server threads read the arena as a shared-memory peer would). The frames and the
 handshake are in ``wire.py``.
 
-Security (docs/dataplane.md). With a shared token (``token=``, ``T2I_DATAPLANE_TOKEN`` or
-``T2I_DATAPLANE_TOKEN_FILE``) every connection authenticates both ways before any read (HMACs
+Security (docs/dataplane.md). With a shared token (``token=``; an executor passes its
+``T2I_DATAPLANE_TOKEN`` or ``T2I_DATAPLANE_TOKEN_FILE``) every connection authenticates both ways before any read (HMACs
 over two nonces; the token never crosses the wire); a bad MAC gets an error reply and the
 connection is closed. A server holds at most ``max_connections`` (excess ones get a "busy" hello
 and are closed), and every socket operation, each handshake as a whole and connecting are
@@ -309,8 +309,8 @@ class TcpTransport(Transport):
     ``host`` is the interface to bind (tests use 127.0.0.1); ``port=0`` picks a free port.
     ``advertise_host`` is what peers should dial when it differs from ``host`` (binding
     0.0.0.0 in a container); only a direct caller can set it so far: ``make_transport`` and the
-    executor's settings do not pass it, so an executor advertises the address it binds. ``token`` is the shared secret every peer must hold (default
-    ``$T2I_DATAPLANE_TOKEN``; ``""`` for none even if that is set): it authenticates both the
+    executor's settings do not pass it, so an executor advertises the address it binds. ``token`` is the shared secret every peer must hold (None or
+    ``""``: none; the executor passes its ``T2I_DATAPLANE_TOKEN``): it authenticates both the
     clients of our server and the servers we read from. ``max_connections`` caps our server's
     open connections; ``timeout`` bounds every socket operation on both sides and each
     handshake, ``connect_timeout`` (default: ``timeout``) each connect.

@@ -28,7 +28,7 @@ from hashlib import sha256
 
 from libs.dataplane.errors import AuthenticationError, PeerBusyError, TransportError
 
-TOKEN_ENV = "T2I_DATAPLANE_TOKEN"
+TOKEN_ENV = "T2I_DATAPLANE_TOKEN"  # the setting's name, for messages (the executor reads it)
 DEFAULT_TIMEOUT = 30.0
 DEFAULT_MAX_CONNECTIONS = 64
 
@@ -61,20 +61,8 @@ NO_MAC = bytes(32)
 
 
 def resolve_token(token: str | bytes | None) -> bytes | None:
-    """The token to use: ``token`` if given (``""``: none), else ``$T2I_DATAPLANE_TOKEN``, else the
-    contents of the file ``$T2I_DATAPLANE_TOKEN_FILE`` (a mounted secret; surrounding whitespace
-    stripped). ValueError if both variables are set or the file cannot be read."""
-    if token is None:
-        token = os.environ.get(TOKEN_ENV, "")
-        path = os.environ.get(TOKEN_ENV + "_FILE", "")
-        if token and path:
-            raise ValueError(f"set {TOKEN_ENV} or {TOKEN_ENV}_FILE, not both")
-        if path:
-            try:
-                with open(path, "rb") as f:
-                    token = f.read().strip()
-            except OSError as e:
-                raise ValueError(f"{TOKEN_ENV}_FILE: cannot read {path}: {e.strerror}") from None
+    """``token`` as the handshake uses it: bytes, or None for no authentication (``""`` or None).
+    Where it comes from is the caller's setting (the executor's ``T2I_DATAPLANE_TOKEN``)."""
     if isinstance(token, str):
         token = token.encode()
     return token or None

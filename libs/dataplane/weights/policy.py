@@ -106,6 +106,21 @@ class CachePolicy:
         self._models: OrderedDict[Hashable, _Model] = OrderedDict()  # least recently used first
         self._request: Hashable = None  # the request whose nodes run here (``none`` granularity)
 
+    def regranulate(self, granularity: str) -> bool:
+        """Keep weights at ``granularity`` from now on, if nothing is known yet (an executor that
+        follows its scheduler's deployment mode learns it from the first dispatch). False, and
+        unchanged, when models are known at another one: their units would not match."""
+        if granularity not in GRANULARITIES:
+            raise ValueError(
+                f"unknown cache granularity {granularity!r}; choose one of {list(GRANULARITIES)}"
+            )
+        if granularity == self.granularity:
+            return True
+        if self._models:
+            return False
+        self.granularity = granularity
+        return True
+
     # -- models ----------------------------------------------------------------------------------
     def add(
         self, key: Hashable, sizes: Sequence[int], keep: int | None = None, group: Hashable = None

@@ -368,6 +368,7 @@ class SchedulerCore:
             outputs=outputs,
             callbacks=sorted(node.callbacks),
             workflow=run.req.workflow,
+            deployment=self.deployment.mode,
         )
         effects: list[Effect] = [SendDispatch(ex.id, msg)]
         if not rec.rerun:  # a rerun after a loss is the platform's: charged nothing (docs/scheduling.md)
