@@ -447,3 +447,26 @@ def lora_params() -> dict[str, ParamSpec]:
             type="float", default=1.0, minimum=-4.0, maximum=4.0, description="LoRA weight"
         ),
     }
+
+
+def edit_params(*, strength: float, inpaint: bool) -> dict[str, ParamSpec]:
+    """The parameters of an image-to-image workflow (with ``inpaint``, of an inpainting one): the
+    picture ``image``, the ``mask`` (diffusers' convention: white is repainted, black kept) and
+    ``strength``, the share of the schedule that runs (0 < strength <= 1; ``strength`` is the
+    pipeline's default). The gateway's ``/v1/images/edits`` maps its uploads onto ``image`` and
+    ``mask``; a workflow with a ``mask`` parameter is one that inpaints."""
+    params = {
+        "image": ParamSpec(type="image", required=True, description="the picture to start from, RGB"),
+        "strength": ParamSpec(
+            type="float",
+            default=strength,
+            minimum=0.0,
+            maximum=1.0,
+            description="how much to change the picture: the share of the denoising steps that run",
+        ),
+    }
+    if inpaint:
+        params["mask"] = ParamSpec(
+            type="image", required=True, description="where to repaint: white repainted, black kept"
+        )
+    return params

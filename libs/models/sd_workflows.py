@@ -13,14 +13,22 @@ as the four variants of :func:`libs.models.common.variant_workflows`:
   parameters, bound by name to the UNet's optional inputs (the adapter is switched per request on
   a warm executor, never fused).
 
+And two that start from a picture (:func:`sd_edit_workflow`, :mod:`libs.models.sd_img2img`):
+
+* ``tiny-sd15-img2img``: ``StableDiffusionImg2ImgPipeline``: the picture VAE-encoded and noised,
+  then only the last ``int(num_inference_steps * strength)`` steps of the loop.
+* ``tiny-sd15-inpaint``: ``StableDiffusionInpaintPipeline`` with the family's 4-channel UNet: the
+  same shortened loop, each step's DDIM update followed by the blend that keeps the unmasked region.
+
 This module imports no torch: composing only records names and references.
 """
 
 from __future__ import annotations
 
-from libs.models.common import Variant, controlnet_params, lora_params, variant_workflows
+from libs.models.common import Variant, controlnet_params, edit_params, lora_params, variant_workflows
 from libs.models.sd import SdDdimStep, SdPrepareLatents, SdTextEncoder, SdUnet, SdVaeDecode
 from libs.models.sd_controlnet import SdControlImage, SdControlNet
+from libs.models.sd_img2img import SdInpaintBlend, SdInpaintLatents, SdVaeEncode
 from libs.workflow.compose import Value, Workflow
 from libs.workflow.modelfn import ModelFn
 from libs.workflow.spec import ParamSpec, WorkflowSpec
@@ -33,6 +41,9 @@ MODELFNS: list[type[ModelFn]] = [
     SdUnet,
     SdDdimStep,
     SdVaeDecode,
+    SdVaeEncode,
+    SdInpaintLatents,
+    SdInpaintBlend,
 ]
 
 TINY_SIZES = ["64x64", "128x128", "64x128", "128x64"]
@@ -113,4 +124,50 @@ def workflows(model: str = "tiny-sd15", controlnet: str = "tiny-sd15-controlnet"
             description=description,
         )
 
-    return variant_workflows("tiny-sd15", DESCRIPTION, compose)
+    return [
+        *variant_workflows("tiny-sd15", DESCRIPTION, compose),
+        sd_edit_workflow(
+            "tiny-sd15-img2img", model, inpaint=False, sizes=TINY_SIZES, description=DESCRIPTION + ", img2img"
+        ),
+        sd_edit_workflow(
+            "tiny-sd15-inpaint",
+            model,
+            inpaint=True,
+            sizes=TINY_SIZES,
+            description=DESCRIPTION + ", inpainting",
+        ),
+    ]
+
+
+def sd_edit_workflow(
+    name: str, model: str, *, inpaint: bool, sizes: list[str], steps: int = 4, description: str = ""
+) -> WorkflowSpec:
+    """An SD1.5 image-to-image workflow on the pipeline folder ``model`` (with ``inpaint``, the
+    inpainting pipeline's), taking the ``image``, ``mask`` and ``strength`` of
+    :func:`~libs.models.common.edit_params` at the pipeline's default strength."""
+    width, height = (int(x) for x in sizes[0].split("x"))
+    text_encoder = SdTextEncoder(model, id="text_encoder")
+    prepare: SdInpaintLatents | SdVaeEncode = (
+        SdInpaintLatents(model, id="prepare") if inpaint else SdVaeEncode(model, id="prepare")
+    )
+    unet = SdUnet(model, id="unet")
+    ddim = SdDdimStep(model, id="ddim")
+    blend = SdInpaintBlend(model, id="blend")
+    vae = SdVaeDecode(model, id="vae")
+    params = sd_params(width=width, height=height, steps=steps)
+    params.update(edit_params(strength=1.0 if inpaint else 0.8, inpaint=inpaint))
+    with Workflow(name, params=params, sizes=sizes, description=description) as wf:
+        text_encoder()
+        init = prepare()  # image (and mask), seed, height, width, num_inference_steps, strength
+
+        def denoise(step: Value, latents: Value) -> Value:
+            noise_pred = unet(latents=latents)
+            latents = ddim(noise_pred=noise_pred, latents=latents)
+            # image_latents, noise, init_mask: the preparation's, bound by name
+            return blend(latents=latents) if inpaint else latents
+
+        latents = wf.loop(
+            "num_inference_steps", denoise, id="denoise", fraction="strength", latents=init.latents
+        )
+        wf.output("image", vae(latents=latents))
+    return wf.spec()

@@ -151,6 +151,8 @@ class Workflow:
         *,
         index: str = "step",
         id: str = "loop",
+        fraction: str | Value | None = None,
+        rounding: str = "count",
         **carry: Value,
     ) -> Value | Outputs:
         """Run ``body`` ``count`` times (unrolled per request), threading the ``carry`` values.
@@ -158,6 +160,9 @@ class Workflow:
         ``body`` is called once, with the loop index and each carried variable as symbolic
         values (keyword arguments); it returns the carried variables' next values (a value when
         one variable is carried, else a dict or Outputs). Returns the final carried values.
+        With ``fraction`` (a float parameter, img2img's ``strength``) only the last iterations
+        run, their indices unchanged; ``rounding`` is ``"count"`` or ``"start"``
+        (:class:`~libs.workflow.spec.LoopSpec`).
         """
         if isinstance(count, Value):
             if not count.ref.startswith(REF_PARAM):
@@ -169,6 +174,17 @@ class Workflow:
             count_ref = count
         else:
             raise CompositionError(f"bad loop count {count!r}")
+        fraction_ref = ""
+        if isinstance(fraction, Value):
+            if not fraction.ref.startswith(REF_PARAM):
+                raise CompositionError("a loop fraction must be a workflow parameter")
+            fraction_ref = fraction.ref
+        elif isinstance(fraction, str):
+            fraction_ref = self.param(fraction).ref
+        elif fraction is not None:
+            raise CompositionError(f"bad loop fraction {fraction!r}")
+        if rounding not in ("count", "start"):
+            raise CompositionError(f"loop rounding must be 'count' or 'start', not {rounding!r}")
         if not carry:
             raise CompositionError("a loop needs at least one carried variable")
         if not IDENT.match(index) or index in carry:
@@ -211,6 +227,8 @@ class Workflow:
             body=frame.ops,
             carry={n: v.ref for n, v in carry.items()},
             update={n: v.ref for n, v in updates.items()},
+            fraction=fraction_ref,
+            rounding="start" if rounding == "start" else "count",
         )
         outer = self._frames[-1]
         outer.ops.append(spec)

@@ -1,7 +1,9 @@
 """Unrolling a validated spec into one request's DAG (paper §4, "Life of a Request").
 
 Loops are unrolled by their count (the request's step count), so every iteration's call is its
-own node: ``transformer@0``, ``transformer@1``, ... (nested loops: ``x@1.0``). Parameters and loop
+own node: ``transformer@0``, ``transformer@1``, ... (nested loops: ``x@1.0``). A loop with a
+``fraction`` (img2img's strength) runs only its last iterations, keeping their indices:
+``transformer@2``, ``transformer@3`` for 4 steps at strength 0.5. Parameters and loop
 indices become constants; references to outputs become tensor edges. The result is plain data that
 the scheduler's state machine tracks; it does no I/O and needs no torch.
 """
@@ -168,8 +170,18 @@ def unroll(
             count = params[pname]  # type: ignore[assignment]
             if not isinstance(count, int) or isinstance(count, bool) or count < 1:
                 raise ParamError(pname, f"must be an integer of at least 1 (it counts loop {op.id!r})")
+        start = 0
+        if op.fraction:
+            fname = op.fraction[len(REF_PARAM) :]
+            fraction = params[fname]
+            assert isinstance(fraction, int | float) and not isinstance(fraction, bool)
+            start = tail_start(count, float(fraction), op.rounding)
+            if start >= count:
+                raise ParamError(
+                    fname, f"{fraction} of loop {op.id!r}'s {count} iterations leaves none to run"
+                )
         carried = {name: resolve(ref, env, names) for name, ref in op.carry.items()}
-        for i in range(count):
+        for i in range(start, count):
             inner_env = {**env, op.index: Const(i), **carried}
             inner_suffix = loop_suffix(suffix, i)
             inner_names = run(op.body, inner_env, inner_suffix, names)
@@ -205,6 +217,16 @@ def unroll(
         successors=successors,
         cb_successors=cb_successors,
     )
+
+
+def tail_start(count: int, fraction: float, rounding: str) -> int:
+    """The first iteration a loop of ``count`` iterations runs when only its last ``fraction`` runs,
+    as the img2img pipelines' ``get_timesteps`` compute ``t_start``: ``"count"`` rounds down the
+    number run (SD1.5: ``init_timestep = min(int(n * strength), n)``), ``"start"`` the number
+    skipped (Flux, SD3: ``init_timestep = min(n * strength, n)``, ``t_start = int(n - init_timestep)``)."""
+    if rounding == "count":
+        return max(count - min(int(count * fraction), count), 0)
+    return int(max(count - min(count * fraction, count), 0))
 
 
 def workflow_dag(spec: WorkflowSpec, given: Mapping[str, object], max_nodes: int) -> Dag:

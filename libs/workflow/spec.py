@@ -20,7 +20,12 @@ bindings into explicit references, so a stored spec is fully explicit.
 
 A loop runs its body ``count`` times (a literal or an int parameter). ``carry`` gives each carried
 variable its initial value; ``update`` gives its value for the next iteration, from the body. The
-loop is unrolled per request, so every iteration's call is its own DAG node.
+loop is unrolled per request, so every iteration's call is its own DAG node. With ``fraction`` (a
+float parameter in [0, 1], img2img's ``strength``) it runs only the last iterations of ``count``, as
+the img2img pipelines' ``get_timesteps`` skip the first steps of the schedule; the index then starts
+at the first iteration run, so it stays a position in the whole schedule. ``rounding`` says which
+number is rounded down: ``"count"`` the iterations run (``int(count * fraction)``, SD1.5),
+``"start"`` those skipped (``int(count - count * fraction)``, Flux and SD3).
 """
 
 from __future__ import annotations
@@ -78,6 +83,8 @@ class LoopSpec(msgspec.Struct, tag="loop", forbid_unknown_fields=True, omit_defa
     index: str = "step"
     carry: dict[str, str] = {}
     update: dict[str, str] = {}
+    fraction: str = ""  # param:NAME of a float in [0, 1]: run only the last iterations of count
+    rounding: Literal["count", "start"] = "count"
 
 
 Op = NodeSpec | LoopSpec

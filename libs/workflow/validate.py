@@ -9,7 +9,8 @@ problem with the path of the field it concerns:
 * every reference resolves (a parameter, an enclosing loop's variable, an output of a node in the
   same or an enclosing body, or a loop's final carried value);
 * parameters are typed, have a default or are required, and their bounds/choices are coherent;
-* loops have a valid count, carried variables and an update for each;
+* loops have a valid count (and fraction: a float parameter within [0, 1]), carried variables and
+  an update for each;
 * every body is acyclic (explicit references may point forward; cycles are reported as a path).
 
 It returns the normalised spec: explicit references, ops of each body in a topological order.
@@ -272,6 +273,10 @@ class _Validator:
                 self.problem(f"params.{pname}", f"used as the count of loop {op.id!r}: needs `minimum` >= 1")
         elif isinstance(op.count, bool) or op.count < 1:
             self.problem(f"{path}.count", "must be at least 1")
+        if op.fraction:
+            self.check_fraction(op, path)
+        elif op.rounding != "count":
+            self.problem(f"{path}.rounding", "applies only to a loop with a `fraction`")
         names = [op.index, *op.carry]
         for name in names:
             if not IDENT.match(name):
@@ -308,6 +313,17 @@ class _Validator:
                 update[name] = r
         body.edges.pop("__update__", None)
         return msgspec.structs.replace(op, body=new_body, carry=carry, update=update)
+
+    def check_fraction(self, op: LoopSpec, path: str) -> None:
+        fname = op.fraction[len(REF_PARAM) :] if op.fraction.startswith(REF_PARAM) else None
+        f = self.spec.params.get(fname) if fname else None
+        if f is None or f.type != "float":
+            self.problem(f"{path}.fraction", f"{op.fraction!r} must be param:NAME of a float parameter")
+        elif f.minimum is None or f.minimum < 0 or f.maximum is None or f.maximum > 1:
+            self.problem(
+                f"params.{fname}",
+                f"used as the fraction of loop {op.id!r}: needs `minimum` >= 0 and `maximum` <= 1",
+            )
 
     def toposort(self, body: _Body, ops: list[Op]) -> list[Op]:
         """Order a body's ops so dependencies come first; program order breaks ties."""

@@ -131,6 +131,43 @@ EXPECTED_IO: dict[str, dict[str, tuple[dict[str, bool], list[str], list[str]]]] 
             [],
         ),
         "sd.vae_decode": ({"latents": False}, ["image"], []),
+        "sd.vae_encode": (
+            {
+                "image": False,
+                "seed": False,
+                "height": False,
+                "width": False,
+                "num_inference_steps": False,
+                "strength": False,
+            },
+            ["latents", "timesteps"],
+            [],
+        ),
+        "sd.inpaint_latents": (
+            {
+                "image": False,
+                "mask": False,
+                "seed": False,
+                "height": False,
+                "width": False,
+                "num_inference_steps": False,
+                "strength": False,
+            },
+            ["latents", "timesteps", "image_latents", "noise", "init_mask"],
+            [],
+        ),
+        "sd.inpaint_blend": (
+            {
+                "latents": False,
+                "image_latents": False,
+                "noise": False,
+                "init_mask": False,
+                "timesteps": False,
+                "step": False,
+            },
+            ["latents"],
+            [],
+        ),
     },
     "sd3": {
         "sd3.clip_encoder": (

@@ -30,6 +30,7 @@ PROMPT = "A photo of a Cat holding a sign that says 'hello world', 4k!"
 NEGATIVE = "blurry, low quality"
 CONTROL = "control"  # the name requests give the control image; the harness maps it to the picture
 STYLE = "style"  # the name requests give the family's LoRA; the harness maps it to the file
+INIT, MASK = "init", "mask"  # the names requests give an img2img/inpaint workflow's picture and mask
 
 
 @dataclass(frozen=True, eq=False)
@@ -104,6 +105,10 @@ class Harness:
         params.update({k: v for k, v in self.base_request(workflow).items() if k in spec.params})
         if "control_image" in spec.params:
             params["control_image"] = CONTROL
+        if "image" in spec.params:
+            params["image"] = INIT
+        if "mask" in spec.params:
+            params["mask"] = MASK
         if "lora" in spec.params:
             params["lora"] = STYLE
         params.update(changes)

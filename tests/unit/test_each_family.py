@@ -10,6 +10,7 @@ Traps of one family stay in its own file (``test_flux_family.py``, ``test_sd_fam
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import json
 import os
@@ -42,9 +43,16 @@ WORKFLOWS = {
         ),
         "tiny-flux-cfg-parallel",
     ],
-    "sd": ["tiny-sd15", "tiny-sd15-controlnet", "tiny-sd15-lora", "tiny-sd15-controlnet-lora"],
+    "sd": [
+        *("tiny-sd15", "tiny-sd15-controlnet", "tiny-sd15-lora", "tiny-sd15-controlnet-lora"),
+        *("tiny-sd15-img2img", "tiny-sd15-inpaint"),
+    ],
     "sd3": ["tiny-sd3", "tiny-sd3-controlnet", "tiny-sd3-lora", "tiny-sd3-controlnet-lora"],
     "sana": ["tiny-sana", "tiny-sana-controlnet", "tiny-sana-lora", "tiny-sana-controlnet-lora"],
+}
+# The ModelFns only the img2img and inpaint pipelines have: in libs.models.{family}_img2img.
+IMG2IMG_FNS = {
+    "sd": {"sd.vae_encode", "sd.inpaint_latents", "sd.inpaint_blend"},
 }
 # The ModelFns only the ControlNet pipeline has: in libs.models.{family}_controlnet.
 CONTROLNET_FNS = {
@@ -79,17 +87,20 @@ def test_each_family_is_four_modules_of_one_naming_scheme(family: str) -> None:
     fam = families.FAMILIES[family]
     for role, module in fam.modules.items():
         assert (REPO / (module.replace(".", "/") + ".py")).is_file(), (role, module)
+    img2img = f"libs.models.{family}_img2img"
     defined = {
         cls
-        for role in ("modelfns", "controlnet")
-        for cls in vars(fam.module(role)).values()
-        if isinstance(cls, type) and issubclass(cls, ModelFn) and cls.__module__ == fam.modules[role]
+        for module in [fam.modules["modelfns"], fam.modules["controlnet"]]
+        + ([img2img] if family in IMG2IMG_FNS else [])
+        for cls in vars(importlib.import_module(module)).values()
+        if isinstance(cls, type) and issubclass(cls, ModelFn) and cls.__module__ == module
     }
-    assert set(modelfns(family)) == defined, "MODELFNS lists the classes of both ModelFn modules"
+    assert set(modelfns(family)) == defined, "MODELFNS lists the classes of the ModelFn modules"
     for cls in defined:
         assert cls.fn_name.startswith(f"{family}.")
         controlnet = cls.__module__ == fam.modules["controlnet"]
         assert controlnet == (cls.fn_name in CONTROLNET_FNS[family]), cls.fn_name
+        assert (cls.__module__ == img2img) == (cls.fn_name in IMG2IMG_FNS.get(family, set())), cls.fn_name
     assert callable(fam.module("builder").build)
     assert [w.name for w in fam.module("workflows").workflows()] == WORKFLOWS[family]
 
@@ -142,6 +153,8 @@ def test_the_entry_points_name_each_class_by_its_module_and_fn_name(family: str)
         module = (
             f"libs.models.{family}_controlnet"
             if cls.fn_name in CONTROLNET_FNS[family]
+            else f"libs.models.{family}_img2img"
+            if cls.fn_name in IMG2IMG_FNS.get(family, set())
             else f"libs.models.{family}"
         )
         assert eps[cls.fn_name] == f"{module}:{cls.__name__}"

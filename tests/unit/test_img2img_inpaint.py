@@ -1,0 +1,209 @@
+"""The image-to-image and inpainting workflows, run node by node, equal their diffusers pipelines bitwise
+(final latents and image) at a strength that cuts steps and at 1.0, and unroll as many denoising
+steps as the pipelines' ``get_timesteps`` leave. The harnesses are :mod:`tests.unit.model_families`."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from libs.workflow.dag import unroll
+from libs.workflow.local import LocalRunner
+from libs.workflow.params import resolve_params
+from tests.unit.model_families import INIT, MASK, Harness, Result, harness
+
+pytestmark = [
+    pytest.mark.usefixtures("one_torch_thread"),
+    pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning"),
+]
+
+# workflow -> (family, the pipeline class name, the ModelFn of the denoiser)
+WORKFLOWS = {
+    "tiny-sd15-img2img": ("sd", "StableDiffusionImg2ImgPipeline", "sd.unet"),
+    "tiny-sd15-inpaint": ("sd", "StableDiffusionInpaintPipeline", "sd.unet"),
+}
+
+
+def picture(width: int, height: int) -> Image.Image:
+    """A picture to start from: a colour ramp with noise, a pixel larger than the output (the
+    pipelines round its size down to the VAE's multiple, or resize it)."""
+    rng = np.random.default_rng(5)
+    w, h = width + 1, height + 1
+    ramp = np.stack(np.meshgrid(np.linspace(0, 1, w), np.linspace(0, 1, h)), -1)
+    rgb = np.concatenate([ramp, ramp[..., :1] * ramp[..., 1:]], -1) * 200 + rng.integers(0, 56, (h, w, 3))
+    return Image.fromarray(rgb.astype(np.uint8), "RGB")
+
+
+def mask_picture(width: int, height: int) -> Image.Image:
+    """White (repaint) in a rectangle, black elsewhere, with greys on both sides of the binarising
+    threshold (0.5) around it."""
+    m = np.zeros((height, width), np.uint8)
+    m[height // 4 : 3 * height // 4, width // 3 :] = 255
+    m[: height // 4, : width // 2] = 100  # below 0.5: kept
+    m[3 * height // 4 :, width // 3 :] = 160  # above 0.5: repainted
+    return Image.fromarray(m, "L")
+
+
+_PIPES: dict[tuple[str, str], Any] = {}
+_RUNNERS: dict[str, tuple[LocalRunner, list[torch.Tensor]]] = {}
+
+
+def pipeline(h: Harness, cls_name: str) -> Any:
+    import diffusers
+
+    key = (h.family, cls_name)
+    if key not in _PIPES:
+        pipe = getattr(diffusers, cls_name).from_pretrained(h.root / h.base)
+        pipe.set_progress_bar_config(disable=True)
+        _PIPES[key] = pipe
+    return _PIPES[key]
+
+
+def recording_runner(h: Harness) -> tuple[LocalRunner, list[torch.Tensor]]:
+    """A runner whose VAE decode records the latents it gets (the workflow's final latents)."""
+    if h.family not in _RUNNERS:
+        decoded: list[torch.Tensor] = []
+        base = h.classes()[f"{h.family}.vae_decode"]
+
+        class Recording(base):  # type: ignore[valid-type,misc]
+            def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
+                decoded.append(inputs["latents"])
+                return super().execute(components, **inputs)
+
+        runner = LocalRunner(h.root, classes=h.classes(**{f"{h.family}.vae_decode": Recording}))
+        _RUNNERS[h.family] = (runner, decoded)
+    return _RUNNERS[h.family]
+
+
+def run(h: Harness, workflow: str, params: dict[str, Any]) -> Result:
+    runner, decoded = recording_runner(h)
+    images = {INIT: picture(params["width"], params["height"])}
+    if "mask" in params:
+        images[MASK] = mask_picture(params["width"], params["height"])
+    image = h.run(runner, workflow, params, **images).image
+    return Result(image, decoded[-1])
+
+
+def pipeline_kwargs(family: str, workflow: str, params: dict[str, Any]) -> dict[str, Any]:
+    kwargs: dict[str, Any] = dict(
+        image=picture(params["width"], params["height"]),
+        strength=params["strength"],
+        num_inference_steps=params["num_inference_steps"],
+        guidance_scale=params["guidance_scale"],
+    )
+    if family == "sd":
+        kwargs["negative_prompt"] = params["negative_prompt"]
+        if "mask" in params:  # the img2img pipeline takes no size: the picture's, rounded down
+            kwargs.update(height=params["height"], width=params["width"])
+    if "mask" in params:
+        kwargs["mask_image"] = mask_picture(params["width"], params["height"])
+    return kwargs
+
+
+def reference(h: Harness, workflow: str, params: dict[str, Any]) -> Result:
+    family, cls_name, _ = WORKFLOWS[workflow]
+    pipe = pipeline(h, cls_name)
+    outputs = [
+        pipe(
+            params["prompt"],
+            generator=torch.Generator().manual_seed(params["seed"]),
+            output_type=output_type,
+            **pipeline_kwargs(family, workflow, params),
+        ).images
+        for output_type in ("pil", "latent")
+    ]
+    return Result(np.array(outputs[0][0]), outputs[1])
+
+
+CASES = [
+    pytest.param("tiny-sd15-img2img", dict(num_inference_steps=5, strength=0.6), id="sd15-img2img-0.6"),
+    pytest.param(
+        "tiny-sd15-img2img",
+        dict(num_inference_steps=3, strength=1.0, width=128, guidance_scale=1.0),
+        id="sd15-img2img-1.0-128x64-no-cfg",
+    ),
+    pytest.param("tiny-sd15-inpaint", dict(num_inference_steps=5, strength=0.6), id="sd15-inpaint-0.6"),
+    pytest.param("tiny-sd15-inpaint", dict(num_inference_steps=3, strength=1.0), id="sd15-inpaint-1.0"),
+    pytest.param(
+        "tiny-sd15-inpaint",
+        dict(num_inference_steps=4, strength=0.75, height=128, guidance_scale=1.0, seed=2),
+        id="sd15-inpaint-0.75-64x128-no-cfg",
+    ),
+]
+
+
+@pytest.mark.parametrize(("workflow", "changes"), CASES)
+def test_each_edit_workflow_run_node_by_node_equals_its_pipeline_bitwise(
+    workflow: str, changes: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    h = harness(WORKFLOWS[workflow][0], tmp_path_factory)
+    params = h.request(workflow, **changes)
+
+    got = run(h, workflow, params)
+    expected = reference(h, workflow, params)
+
+    assert got.image.shape == (params["height"], params["width"], 3)
+    assert np.unique(got.image).size > 10, "a flat image would make the comparison meaningless"
+    assert got.latents is not None and expected.latents is not None
+    assert torch.equal(got.latents, expected.latents)
+    assert np.array_equal(got.image, expected.image)
+
+
+@pytest.mark.parametrize("workflow", list(WORKFLOWS))
+def test_the_unrolled_dag_has_as_many_denoising_steps_as_the_pipelines_get_timesteps_leave(
+    workflow: str,
+) -> None:
+    import diffusers
+
+    from libs.models import families
+
+    family, cls_name, denoiser = WORKFLOWS[workflow]
+    (spec,) = [s for s in families.FAMILIES[family].module("workflows").workflows() if s.name == workflow]
+    get_timesteps = getattr(diffusers, cls_name).get_timesteps
+    for steps in (1, 3, 4, 5, 10, 28):
+        for strength in (0.25, 0.5, 0.6, 0.75, 0.9, 1.0):
+            scheduler = SimpleNamespace(timesteps=torch.arange(steps), order=1)
+            timesteps, n = get_timesteps(SimpleNamespace(scheduler=scheduler), steps, strength, "cpu")
+            params = {"prompt": "x", "image": INIT, "mask": MASK, "num_inference_steps": steps}
+            params = {k: v for k, v in params.items() if k in spec.params}
+            if n < 1:
+                continue  # the pipelines fail too; test_loop_fraction checks the ParamError
+            dag = unroll(spec, resolve_params(spec, {**params, "strength": strength}))
+            run_steps = [node for node in dag.nodes.values() if node.fn == denoiser]
+            assert len(run_steps) == n == len(timesteps), (steps, strength)
+            assert [node.inputs["step"].value for node in run_steps] == list(  # type: ignore[union-attr]
+                range(steps - n, steps)
+            )
+            if family == "sd":
+                assert n == int(steps * strength)
+
+
+def test_an_all_black_mask_keeps_the_picture_and_an_all_white_one_repaints_it(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    from libs.models.sd_img2img import SdInpaintLatents
+
+    h = harness("sd", tmp_path_factory)
+    params = h.request("tiny-sd15-inpaint", num_inference_steps=3, strength=1.0)
+    runner, decoded = recording_runner(h)
+    init = picture(64, 64)
+    black, white = Image.new("L", (64, 64), 0), Image.new("L", (64, 64), 255)
+    prepare = SdInpaintLatents()
+    inputs = {k: params[k] for k in ("seed", "height", "width", "num_inference_steps", "strength")}
+    prepared = prepare.execute(
+        prepare.load_model(str(h.root / h.base), "cpu"), image=init, mask=black, **inputs
+    )
+
+    h.run(runner, "tiny-sd15-inpaint", params, **{INIT: init, MASK: black})
+    kept = decoded[-1]
+    h.run(runner, "tiny-sd15-inpaint", params, **{INIT: init, MASK: white})
+    repainted = decoded[-1]
+
+    # The last step's blend puts the picture's latents back unnoised wherever the mask is black.
+    assert torch.equal(kept, prepared["image_latents"])
+    assert not torch.equal(repainted, kept)
