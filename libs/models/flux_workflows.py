@@ -26,12 +26,17 @@ The ControlNet and LoRA variants of each checkpoint come from
 ``negative_prompt`` are encoded by their own encoder nodes, each step runs two transformer nodes
 (positive, negative; two executors can take them) and the light ``flux.true_cfg`` combine.
 
+``tiny-flux-img2img`` and ``tiny-flux-inpaint`` (:func:`flux_edit_workflow`, on the dev checkpoint)
+start from an ``image``: ``FluxImg2ImgPipeline`` and ``FluxInpaintPipeline``, whose loop runs only the
+last steps of the schedule (``strength``); the inpainting one blends the kept region back after every
+Euler step (:mod:`libs.models.flux_img2img`).
+
 This module imports no torch: composing only records names and references.
 """
 
 from __future__ import annotations
 
-from libs.models.common import Variant, controlnet_params, lora_params, variant_workflows
+from libs.models.common import Variant, controlnet_params, edit_params, lora_params, variant_workflows
 from libs.models.flux import (
     FlowMatchEulerStep,
     FluxClipEncoder,
@@ -42,6 +47,7 @@ from libs.models.flux import (
     FluxVaeDecode,
 )
 from libs.models.flux_controlnet import FluxControlImageEncoder, FluxControlNet
+from libs.models.flux_img2img import FluxInpaintBlend, FluxInpaintLatents, FluxVaeEncode
 from libs.workflow.compose import Value, Workflow
 from libs.workflow.modelfn import ModelFn
 from libs.workflow.spec import ParamSpec, WorkflowSpec
@@ -58,6 +64,9 @@ MODELFNS: list[type[ModelFn]] = [
     FluxTrueCfg,
     FlowMatchEulerStep,
     FluxVaeDecode,
+    FluxVaeEncode,
+    FluxInpaintLatents,
+    FluxInpaintBlend,
 ]
 
 TINY_SIZES = ["128x128", "64x64", "256x256", "128x64", "64x128"]
@@ -213,4 +222,58 @@ def workflows(
             true_cfg=True,
             description="tiny Flux dev with true CFG: positive and negative transformer nodes per step",
         ),
+        flux_edit_workflow(
+            "tiny-flux-img2img", dev, inpaint=False, sizes=TINY_SIZES, description=DEV + ", img2img"
+        ),
+        flux_edit_workflow(
+            "tiny-flux-inpaint", dev, inpaint=True, sizes=TINY_SIZES, description=DEV + ", inpainting"
+        ),
     ]
+
+
+def flux_edit_workflow(
+    name: str,
+    model: str,
+    *,
+    inpaint: bool,
+    sizes: list[str],
+    steps: int = 4,
+    max_sequence_length: int = 64,
+    description: str = "",
+) -> WorkflowSpec:
+    """A Flux image-to-image workflow on the checkpoint folder ``model`` (with ``inpaint``, the
+    inpainting pipeline's), taking :func:`~libs.models.common.edit_params` at the pipelines'
+    default strength, 0.6."""
+    width, height = (int(x) for x in sizes[0].split("x"))
+    clip = FluxClipEncoder(model, id="clip")
+    t5 = FluxT5Encoder(model, id="t5")
+    prepare: FluxVaeEncode = (
+        FluxInpaintLatents(model, id="prepare") if inpaint else FluxVaeEncode(model, id="prepare")
+    )
+    transformer = FluxTransformer(model, id="transformer")
+    euler = FlowMatchEulerStep(model, id="euler")
+    blend = FluxInpaintBlend(model, id="blend")
+    vae = FluxVaeDecode(model, id="vae")
+    params = flux_params(width=width, height=height, steps=steps, max_sequence_length=max_sequence_length)
+    params.update(edit_params(strength=0.6, inpaint=inpaint))
+    with Workflow(name, params=params, sizes=sizes, description=description) as wf:
+        clip()
+        t5()
+        init = prepare()  # image (and mask), seed, height, width, num_inference_steps, strength
+
+        def denoise(step: Value, latents: Value) -> Value:
+            noise_pred = transformer(latents=latents)
+            latents = euler(noise_pred=noise_pred, latents=latents)
+            # image_latents, noise, init_mask: the preparation's, bound by name
+            return blend(latents=latents) if inpaint else latents
+
+        latents = wf.loop(
+            "num_inference_steps",
+            denoise,
+            id="denoise",
+            fraction="strength",
+            rounding="start",
+            latents=init.latents,
+        )
+        wf.output("image", vae(latents=latents))
+    return wf.spec()

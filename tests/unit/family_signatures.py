@@ -79,6 +79,44 @@ EXPECTED_IO: dict[str, dict[str, tuple[dict[str, bool], list[str], list[str]]]] 
             [],
         ),
         "flux.vae_decode": ({"latents": False, "height": False, "width": False}, ["image"], []),
+        "flux.vae_encode": (
+            {
+                "image": False,
+                "seed": False,
+                "height": False,
+                "width": False,
+                "num_inference_steps": False,
+                "strength": False,
+            },
+            ["latents", "latent_image_ids", "timesteps"],
+            [],
+        ),
+        "flux.inpaint_latents": (
+            {
+                "mask": False,
+                "image": False,
+                "seed": False,
+                "height": False,
+                "width": False,
+                "num_inference_steps": False,
+                "strength": False,
+            },
+            ["latents", "latent_image_ids", "timesteps", "image_latents", "noise", "init_mask"],
+            [],
+        ),
+        "flux.inpaint_blend": (
+            {
+                "latents": False,
+                "image_latents": False,
+                "noise": False,
+                "init_mask": False,
+                "timesteps": False,
+                "step": False,
+                "num_inference_steps": False,
+            },
+            ["latents"],
+            [],
+        ),
     },
     "sd": {
         "sd.text_encoder": (

@@ -42,6 +42,8 @@ WORKFLOWS = {
             for s in ("", "-controlnet", "-lora", "-controlnet-lora")
         ),
         "tiny-flux-cfg-parallel",
+        "tiny-flux-img2img",
+        "tiny-flux-inpaint",
     ],
     "sd": [
         *("tiny-sd15", "tiny-sd15-controlnet", "tiny-sd15-lora", "tiny-sd15-controlnet-lora"),
@@ -52,6 +54,7 @@ WORKFLOWS = {
 }
 # The ModelFns only the img2img and inpaint pipelines have: in libs.models.{family}_img2img.
 IMG2IMG_FNS = {
+    "flux": {"flux.vae_encode", "flux.inpaint_latents", "flux.inpaint_blend"},
     "sd": {"sd.vae_encode", "sd.inpaint_latents", "sd.inpaint_blend"},
 }
 # The ModelFns only the ControlNet pipeline has: in libs.models.{family}_controlnet.

@@ -26,6 +26,8 @@ pytestmark = [
 WORKFLOWS = {
     "tiny-sd15-img2img": ("sd", "StableDiffusionImg2ImgPipeline", "sd.unet"),
     "tiny-sd15-inpaint": ("sd", "StableDiffusionInpaintPipeline", "sd.unet"),
+    "tiny-flux-img2img": ("flux", "FluxImg2ImgPipeline", "flux.transformer"),
+    "tiny-flux-inpaint": ("flux", "FluxInpaintPipeline", "flux.transformer"),
 }
 
 
@@ -58,7 +60,7 @@ def pipeline(h: Harness, cls_name: str) -> Any:
 
     key = (h.family, cls_name)
     if key not in _PIPES:
-        pipe = getattr(diffusers, cls_name).from_pretrained(h.root / h.base)
+        pipe = getattr(diffusers, cls_name).from_pretrained(h.paths.get(h.base, h.root / h.base))
         pipe.set_progress_bar_config(disable=True)
         _PIPES[key] = pipe
     return _PIPES[key]
@@ -100,6 +102,10 @@ def pipeline_kwargs(family: str, workflow: str, params: dict[str, Any]) -> dict[
         kwargs["negative_prompt"] = params["negative_prompt"]
         if "mask" in params:  # the img2img pipeline takes no size: the picture's, rounded down
             kwargs.update(height=params["height"], width=params["width"])
+    else:
+        kwargs.update(
+            height=params["height"], width=params["width"], max_sequence_length=params["max_sequence_length"]
+        )
     if "mask" in params:
         kwargs["mask_image"] = mask_picture(params["width"], params["height"])
     return kwargs
@@ -133,6 +139,16 @@ CASES = [
         "tiny-sd15-inpaint",
         dict(num_inference_steps=4, strength=0.75, height=128, guidance_scale=1.0, seed=2),
         id="sd15-inpaint-0.75-64x128-no-cfg",
+    ),
+    pytest.param("tiny-flux-img2img", dict(num_inference_steps=4, strength=0.6), id="flux-img2img-0.6"),
+    pytest.param(
+        "tiny-flux-img2img",
+        dict(num_inference_steps=3, strength=1.0, height=96, seed=3),
+        id="flux-img2img-1.0",
+    ),
+    pytest.param("tiny-flux-inpaint", dict(num_inference_steps=4, strength=0.6), id="flux-inpaint-0.6"),
+    pytest.param(
+        "tiny-flux-inpaint", dict(num_inference_steps=3, strength=1.0, width=64), id="flux-inpaint-1.0-64x64"
     ),
 ]
 
