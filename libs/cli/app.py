@@ -184,6 +184,82 @@ def generate(
     timeout: Timeout = 30.0,
 ) -> None:
     """Generate images: submit asynchronously, show progress over denoising steps, save the files."""
+    body, fmt = _image_body(prompt, model, size, steps, seed, n, guidance, param, out, fmt)
+    run(
+        lambda: _images(
+            "/v1/images/generations", body, None, out, n, fmt, quiet, as_json, url, api_key, timeout
+        )
+    )
+
+
+@app.command()
+def edit(
+    prompt: Annotated[str, typer.Argument(help="What to change (or, for img2img, what to draw).")],
+    image: Annotated[
+        list[Path], typer.Option("--image", "-i", help="The picture to edit (repeat for several).")
+    ],
+    model: Annotated[
+        str,
+        typer.Option("--model", "-m", help="An edit-capable workflow (`capabilities` in `t2i workflows`)."),
+    ],
+    mask: Annotated[
+        Path | None, typer.Option(help="A PNG of the image's size whose transparent pixels are repainted.")
+    ] = None,
+    strength: Annotated[
+        float | None, typer.Option(min=0.0, max=1.0, help="How much of the schedule runs (img2img).")
+    ] = None,
+    size: Annotated[str | None, typer.Option(help="WIDTHxHEIGHT or auto (workflows with a size).")] = None,
+    steps: Annotated[int | None, typer.Option(min=1, max=1000, help="Denoising steps.")] = None,
+    seed: Annotated[int | None, typer.Option(min=0, max=2**63 - 1, help="Seed (random when absent).")] = None,
+    n: Annotated[int, typer.Option("--n", "-n", min=1, max=64, help="Images to make.")] = 1,
+    guidance: Annotated[float | None, typer.Option(help="Guidance scale.")] = None,
+    param: Annotated[list[str] | None, typer.Option(help="Any other workflow parameter, NAME=VALUE.")] = None,
+    out: Annotated[
+        Path | None, typer.Option("--out", "-o", help="File (numbered for several) or directory.")
+    ] = None,
+    fmt: Annotated[
+        str | None,
+        typer.Option("--format", help="png, jpeg or webp (default: from --out's suffix, else png)."),
+    ] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress output.")] = False,
+    as_json: Json = False,
+    url: Url = DEFAULT_URL,
+    api_key: Key = None,
+    timeout: Timeout = 30.0,
+) -> None:
+    """Edit images (POST /v1/images/edits): upload the picture (and a mask), show progress, save."""
+    body, fmt = _image_body(prompt, model, size, steps, seed, n, guidance, param, out, fmt)
+    if strength is not None:
+        body["strength"] = strength
+    files = [("image[]" if len(image) > 1 else "image", _upload(p, "--image")) for p in image]
+    if mask is not None:
+        files.append(("mask", _upload(mask, "--mask")))
+    run(lambda: _images("/v1/images/edits", body, files, out, n, fmt, quiet, as_json, url, api_key, timeout))
+
+
+def _upload(path: Path, option: str) -> tuple[str, bytes, str]:
+    """A file to upload: (name, bytes, content type from its suffix)."""
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise typer.BadParameter(f"cannot read {str(path)!r}: {e.strerror}", param_hint=option) from None
+    ctype = {".png": "image/png", ".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".webp": "image/webp"}
+    return path.name, data, ctype.get(path.suffix.lower(), "application/octet-stream")
+
+
+def _image_body(
+    prompt: str,
+    model: str,
+    size: str | None,
+    steps: int | None,
+    seed: int | None,
+    n: int,
+    guidance: float | None,
+    param: list[str] | None,
+    out: Path | None,
+    fmt: str | None,
+) -> tuple[dict[str, Any], str]:
+    """The fields a generation or an edit sends, checked; and the output format."""
     if not prompt.strip():
         raise typer.BadParameter("must not be empty", param_hint="PROMPT")
     if size is not None and not SIZE.match(size):
@@ -211,35 +287,48 @@ def generate(
         body["output_format"] = fmt
     if extra:
         body["params"] = extra
+    return body, fmt
 
-    def action() -> int:
-        with Gateway(url, api_key, timeout) as gw:
-            status, headers, answer = gw.call(
-                "POST", "/v1/images/generations", body, headers={"Prefer": "respond-async"}
-            )
-            call_id = str(answer.get("id") or "")
-            if not call_id or not re.fullmatch(r"[0-9A-Za-z_-]{1,128}", call_id):
-                raise CliError("the gateway's answer carries no valid call id")
-            paths = output_paths(out, call_id, n, fmt)
-            if status != 202:  # a gateway that ignores the preference answered synchronously
-                if not quiet:
-                    render.err.print("note: the gateway answered synchronously (no progress to show)")
-                return finish(gw, answer, paths, as_json)
-            if not quiet and not as_json:
-                render.err.print(f"call {call_id} queued")
+
+def _images(
+    path: str,
+    body: dict[str, Any],
+    files: list[tuple[str, tuple[str, bytes, str]]] | None,
+    out: Path | None,
+    n: int,
+    fmt: str,
+    quiet: bool,
+    as_json: bool,
+    url: str,
+    api_key: str | None,
+    timeout: float,
+) -> int:
+    """Submit asynchronously, follow the call's progress, save its images."""
+    with Gateway(url, api_key, timeout) as gw:
+        status, headers, answer = gw.call(
+            "POST", path, body, headers={"Prefer": "respond-async"}, files=files
+        )
+        call_id = str(answer.get("id") or "")
+        if not call_id or not re.fullmatch(r"[0-9A-Za-z_-]{1,128}", call_id):
+            raise CliError("the gateway's answer carries no valid call id")
+        paths = output_paths(out, call_id, n, fmt)
+        if status != 202:  # a gateway that ignores the preference answered synchronously
+            if not quiet:
+                render.err.print("note: the gateway answered synchronously (no progress to show)")
+            return finish(gw, answer, paths, as_json)
+        if not quiet and not as_json:
+            render.err.print(f"call {call_id} queued")
+        try:
+            with render.reporter(call_id, quiet or as_json) as rep:
+                final = follow(gw, call_id, n, rep)
+        except KeyboardInterrupt:
+            render.err.print(f"interrupted: cancelling call {call_id}")
             try:
-                with render.reporter(call_id, quiet or as_json) as rep:
-                    final = follow(gw, call_id, n, rep)
-            except KeyboardInterrupt:
-                render.err.print(f"interrupted: cancelling call {call_id}")
-                try:
-                    gw.call("POST", f"/v1/requests/{call_id}/cancel")
-                except CliError as e:
-                    render.err.print(f"could not cancel {call_id}: {e}")
-                return 130
-            return finish(gw, final, paths, as_json)
-
-    run(action)
+                gw.call("POST", f"/v1/requests/{call_id}/cancel")
+            except CliError as e:
+                render.err.print(f"could not cancel {call_id}: {e}")
+            return 130
+        return finish(gw, final, paths, as_json)
 
 
 # -- catalog -----------------------------------------------------------------------------------------

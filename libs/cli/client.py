@@ -149,9 +149,16 @@ class Gateway:
         *,
         params: dict[str, Any] | None = None,
         headers: dict[str, str] | None = None,
+        files: list[tuple[str, tuple[str, bytes, str]]] | None = None,
     ) -> tuple[int, httpx.Headers, dict[str, Any]]:
-        """One JSON call: (status, headers, body). Any status >= 400 raises ``ApiFailure``."""
-        resp = self._send(method, path, json=body, params=params, headers=headers)
+        """One call with a JSON answer: (status, headers, body). The request is ``body`` as JSON, or
+        with ``files`` a multipart form of ``body``'s fields (text) and the files (field name,
+        (file name, bytes, content type)). Any status >= 400 raises ``ApiFailure``."""
+        if files is not None:
+            form = {k: v if isinstance(v, str) else json.dumps(v) for k, v in (body or {}).items()}
+            resp = self._send(method, path, data=form, files=files, params=params, headers=headers)
+        else:
+            resp = self._send(method, path, json=body, params=params, headers=headers)
         if resp.status_code >= 400:
             raise _failure(resp, method, path)
         try:

@@ -382,6 +382,8 @@ class WorkflowSummary(msgspec.Struct):
     description: str = ""
     params: list[str] = []
     sizes: list[str] = []
+    # What it can do: "generate", "edit", "inpaint" (libs/workflow/capabilities.py).
+    capabilities: list[str] = []
 
 
 class RegistryReply(_Msg, tag="registry_reply"):

@@ -58,7 +58,8 @@ def resolve_params(spec: WorkflowSpec, given: Mapping[str, Any]) -> dict[str, Sc
         elif p.required:
             raise ParamError(name, "is required")
         else:
-            out[name] = "" if p.type == "lora" and p.default is None else p.default
+            # An optional picture or adapter left out is "" (none), which checks again as given.
+            out[name] = "" if p.type in ("lora", "image") and p.default is None else p.default
     return out
 
 

@@ -21,7 +21,7 @@ import base64
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,15 +113,19 @@ class Call:
         gen: Generation,
         body: dict[str, Any],
         key: str | None,
+        files: Mapping[str, bytes] | None = None,
     ) -> Call:
         """A new call of ``tenant``, admitted and recorded, that holds its admission slots until
         :meth:`submit` (call it at once) hands them to its task. With ``key``: when the tenant's key
         names a call already (this one's body must be the same: else 422), that call, ``replayed``
-        and not to be submitted; nothing is admitted or recorded for it."""
+        and not to be submitted; nothing is admitted or recorded for it. ``files``: the image
+        parameters an edit uploaded (checked PNGs; the body holds their digests)."""
         fp = fingerprint(body) if key else ""
         async with key_turn(app, tenant, key):
             held = await app[RECORDS].held(tenant, key) if key else None
-            started = held if held is not None else await cls._start(app, tenant, spec, gen, body, key, fp)
+            started = (
+                held if held is not None else await cls._start(app, tenant, spec, gen, body, key, fp, files)
+            )
         if isinstance(started, Call):
             return started
         return await cls._earlier(app, tenant, started, fp)
@@ -136,6 +140,7 @@ class Call:
         body: dict[str, Any],
         key: str | None,
         fp: str,
+        files: Mapping[str, bytes] | None = None,
     ) -> Call | IdempotencyRecord:
         """Admit and record a new call; or, when a call elsewhere claimed ``key`` first, its
         idempotency record (this call's own record dropped, its slots freed)."""
@@ -151,7 +156,9 @@ class Call:
         claim = IdempotencyRecord(gen_id, fp) if key else None
         first: IdempotencyRecord | None = None
         try:
-            loras = await resolve_inputs(spec, gen.params, body, app[BRIDGE], gen_id, app[DECODE_SLOTS])
+            loras = await resolve_inputs(
+                spec, gen.params, body, app[BRIDGE], gen_id, app[DECODE_SLOTS], files
+            )
             rec = GenerationRecord(
                 id=gen_id,
                 tenant=tenant,

@@ -2,7 +2,7 @@
 
 ``POST /v1/images/generations`` takes OpenAI's fields (``model`` = workflow name, ``prompt``, ``n``,
 ``size``, ``response_format``, ``output_format``, ``output_compression``, ``background``) plus our
-extensions (``seed``, ``num_inference_steps``, ``guidance_scale``, and ``params`` for any other
+extensions (``seed``, ``num_inference_steps``, ``guidance_scale``, ``strength``, and ``params`` for any other
 workflow parameter). ``size: "auto"`` is the workflow's default size; ``output_format`` is ``png``,
 ``jpeg`` or ``webp`` (transcoded at the gateway, ``formats.py``), with ``output_compression`` 0-100
 for the lossy two. Every problem is reported with the field it concerns; nothing reaches the bus
@@ -28,7 +28,7 @@ from services.gateway.records import GenerationRecord
 # Fields of OpenAI's API that do not apply to these workflows; accepted so OpenAI clients work.
 IGNORED = {"user", "quality", "style", "moderation"}
 # Top-level fields beyond OpenAI's that set the workflow parameter of the same name.
-EXTENSIONS = ("seed", "num_inference_steps", "guidance_scale")
+EXTENSIONS = ("seed", "num_inference_steps", "guidance_scale", "strength")
 TOP_LEVEL_PARAMS = {"prompt", "width", "height", *EXTENSIONS}
 OUTPUT = {"output_format", "output_compression", "background"}
 BACKGROUNDS = (None, "auto", "opaque")  # the workflows paint every pixel: no transparent images

@@ -18,6 +18,7 @@ import base64
 import binascii
 import io
 import re
+from collections.abc import Mapping
 from typing import Any
 
 from libs.workflow.spec import WorkflowSpec
@@ -39,8 +40,6 @@ def field_name(param: str, body: dict[str, Any]) -> str:
 
 def decode_image(field: str, value: str) -> bytes:
     """A base64 picture -> RGB PNG bytes, or a 422 naming ``field``."""
-    from PIL import Image, UnidentifiedImageError
-
     raw_b64 = DATA_URL.sub("", value.strip(), count=1)
     if len(raw_b64) > MAX_IMAGE_BYTES * 4 // 3 + 4:
         raise invalid(field, f"image is larger than {MAX_IMAGE_BYTES >> 20} MiB")
@@ -48,6 +47,16 @@ def decode_image(field: str, value: str) -> bytes:
         raw = base64.b64decode(raw_b64, validate=True)
     except (binascii.Error, ValueError):
         raise invalid(field, "is not base64-encoded image data") from None
+    return check_image(field, raw)
+
+
+def check_image(field: str, raw: bytes) -> bytes:
+    """A picture's bytes -> RGB PNG bytes, or a 422 naming ``field``: a PNG, JPEG or WebP of sane
+    dimensions (checked from its header before any pixel is decoded), decoded in full."""
+    from PIL import Image, UnidentifiedImageError
+
+    if len(raw) > MAX_IMAGE_BYTES:
+        raise invalid(field, f"image is larger than {MAX_IMAGE_BYTES >> 20} MiB")
     try:
         with Image.open(io.BytesIO(raw)) as img:
             if img.format not in ("PNG", "JPEG", "WEBP"):
@@ -65,6 +74,43 @@ def decode_image(field: str, value: str) -> bytes:
         raise invalid(field, f"is not a readable image ({type(e).__name__})") from None
 
 
+def check_uploads(files: Mapping[str, bytes]) -> dict[str, bytes]:
+    """An edit's uploaded files as RGB PNGs, decoded and checked (run it in a worker thread): 422
+    naming the field for a file that is not a readable image of sane size; the mask (OpenAI's:
+    fully transparent pixels repaint) as the workflows take it (diffusers' ``mask_image``: white
+    repaints, black keeps), 422 when its size is not the image's. A mask with no alpha channel is
+    taken as being in the workflows' convention already."""
+    out = {name: check_image(name, raw) for name, raw in files.items() if name != "mask"}
+    raw = files.get("mask")
+    if raw is not None:
+        out["mask"] = _mask(raw, _size(out["image"]))
+    return out
+
+
+def _size(png: bytes) -> tuple[int, int]:
+    from PIL import Image
+
+    with Image.open(io.BytesIO(png)) as img:
+        return img.size
+
+
+def _mask(raw: bytes, size: tuple[int, int]) -> bytes:
+    from PIL import Image
+
+    check_image("mask", raw)  # readable, of sane size: the image's checks
+    with Image.open(io.BytesIO(raw)) as img:
+        if img.size != size:
+            w, h = img.size
+            raise invalid("mask", f"is {w}x{h}; it must be the size of the image, {size[0]}x{size[1]}")
+        if img.mode in ("RGBA", "LA", "PA") or (img.mode == "P" and "transparency" in img.info):
+            out = img.convert("RGBA").getchannel("A").point(lambda a: 255 if a == 0 else 0)
+        else:
+            out = img.convert("L")
+        buf = io.BytesIO()
+        out.convert("RGB").save(buf, format="PNG")
+        return buf.getvalue()
+
+
 async def resolve_inputs(
     spec: WorkflowSpec,
     params: list[dict[str, Any]],
@@ -72,12 +118,18 @@ async def resolve_inputs(
     bridge: Bridge,
     gen_id: str,
     slots: asyncio.Semaphore,
+    files: Mapping[str, bytes] | None = None,
 ) -> dict[str, str]:
-    """Replace image and LoRA parameters in every image's parameters, in place.
+    """Replace image and LoRA parameters in every image's parameters, in place. ``files``: image
+    parameters uploaded as files (an edit's: :func:`check_uploads` decodes and checks them here)
+    instead of given as base64.
 
     Returns resolved LoRA path -> LoRA name (paths are never shown to tenants).
     """
     loras: dict[str, str] = {}
+    if files:
+        async with slots:
+            files = await asyncio.to_thread(check_uploads, files)
     for name, p in spec.params.items():
         if p.type not in ("image", "lora"):
             continue
@@ -93,8 +145,11 @@ async def resolve_inputs(
             resolved = lora.path
             loras[lora.path] = lora.name
         else:
-            async with slots:
-                png = await asyncio.to_thread(decode_image, field, value)
+            if files is not None and name in files:
+                png = files[name]
+            else:
+                async with slots:
+                    png = await asyncio.to_thread(decode_image, field, value)
             resolved = f"inputs/{gen_id}/{name}.png"
             await bridge.put_image(resolved, png)
         for one in params:

@@ -65,6 +65,7 @@ class Model(msgspec.Struct):
     description: str = ""
     sizes: list[str] = []
     params: list[str] = []
+    capabilities: list[str] = []  # "generate", "edit", "inpaint" (libs/workflow/capabilities.py)
     object: str = "model"
 
 
@@ -125,4 +126,5 @@ def model_object(w: WorkflowSummary, info: ModelInfo) -> Model:
         description=w.description,
         sizes=list(w.sizes),
         params=list(w.params),
+        capabilities=list(w.capabilities),
     )

@@ -43,6 +43,7 @@ class Op:
     who: Who = "tenant"
     description: str = ""
     body: type | None = None
+    form: type | None = None  # a multipart/form-data body (its struct: bytes fields are file parts)
     ok: type | None = None  # the JSON body of the success answer
     status: int = 200
     content_type: str = "application/json"  # of a success answer that is not JSON: its media type
@@ -72,6 +73,21 @@ OPERATIONS: dict[tuple[str, str], Op] = {
         ok=s.ImagesResponse,
         headers=(IDEMPOTENCY, PREFER),
         responses={202: "accepted (`Prefer: respond-async`): the status object", 429: "a limit was reached"},
+    ),
+    ("POST", "/v1/images/edits"): Op(
+        "Edit images (OpenAI-compatible): img2img, inpainting, instruction edits",
+        description="`model` names a workflow whose `capabilities` (GET /v1/models) include `edit` "
+        "(`inpaint` for a `mask`); a workflow that takes no image gets a 400. Answered, made "
+        "asynchronous and followed as generations are.",
+        form=s.ImageEditForm,
+        ok=s.ImagesResponse,
+        headers=(IDEMPOTENCY, PREFER),
+        responses={
+            202: "accepted (`Prefer: respond-async`): the status object",
+            413: "a file over the size limit",
+            415: "not a multipart form",
+            429: "a limit was reached",
+        },
     ),
     ("GET", "/v1/requests"): Op("List recent generation calls", ok=s.RequestList, query=(LIMIT, TENANT)),
     ("GET", "/v1/requests/{id}"): Op("A generation call's status and images", ok=s.RequestStatus),
@@ -182,6 +198,11 @@ def _operation(method: str, path: str, op: Op | None) -> dict[str, Any]:
         doc["parameters"] = params
     if op.body is not None:
         doc["requestBody"] = {"required": True, "content": {"application/json": {"schema": _ref(op.body)}}}
+    if op.form is not None:
+        doc["requestBody"] = {
+            "required": True,
+            "content": {"multipart/form-data": {"schema": _ref(op.form)}},
+        }
     ok: dict[str, Any] = {"description": op.summary}
     if op.ok is not None:
         ok["content"] = {"application/json": {"schema": _ref(op.ok)}}
@@ -247,11 +268,18 @@ def build(app: web.Application) -> dict[str, Any]:
         if op is None:
             log.warning("route %s %s has no OpenAPI description", method, path)
         else:
-            types += [t for t in (op.body, op.ok) if t is not None]
+            types += [t for t in (op.body, op.form, op.ok) if t is not None]
         methods = ["get", "put", "post", "delete", "options", "head", "patch", "trace"]
         if method.lower() in methods:
             paths.setdefault(path, {})[method.lower()] = _operation(method, path, op)
     _, components = msgspec.json.schema_components(list(dict.fromkeys(types)), ref_template=REF)
+    for op in OPERATIONS.values():  # a form's bytes fields are file parts, not base64 text
+        if op.form is not None:
+            props = components[op.form.__name__].get("properties", {})
+            for prop in props.values():
+                for alt in prop.get("anyOf", [prop]):
+                    if alt.pop("contentEncoding", None) == "base64":
+                        alt["format"] = "binary"
     return {
         "openapi": "3.1.0",
         "info": {

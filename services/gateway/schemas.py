@@ -35,12 +35,37 @@ class ImageGenerationRequest(msgspec.Struct, kw_only=True):
     seed: int | UnsetType = UNSET
     num_inference_steps: int | UnsetType = UNSET
     guidance_scale: float | UnsetType = UNSET
+    strength: float | UnsetType = UNSET  # workflows with an input image: the share of the schedule run
     params: dict[str, Any] = {}  # any other workflow parameter (control images as base64 PNG)
     webhook: str | UnsetType = UNSET  # http(s) URL POSTed the final status object
     user: str | None = None  # accepted for OpenAI clients; not used
     quality: str | None = None  # accepted for OpenAI clients; not used
     style: str | None = None  # accepted for OpenAI clients; not used
     moderation: str | None = None  # accepted for OpenAI clients; not used
+
+
+class ImageEditForm(msgspec.Struct, kw_only=True):
+    """``POST /v1/images/edits`` (multipart/form-data): OpenAI's fields, then ours. ``image``
+    (PNG, JPEG or WebP; several as ``image[]``) fills the workflow's ``image`` parameter, ``mask``
+    (a PNG whose transparent pixels mark what to repaint; the image's size) its ``mask``."""
+
+    image: bytes  # a file part
+    mask: bytes | UnsetType = UNSET  # a file part
+    model: str
+    prompt: str
+    n: int = 1
+    size: str | UnsetType = UNSET
+    response_format: Literal["b64_json", "url"] = "b64_json"
+    output_format: Literal["png", "jpeg", "webp"] = "png"
+    output_compression: int | UnsetType = UNSET
+    background: Literal["auto", "opaque"] | None = None
+    seed: int | UnsetType = UNSET
+    strength: float | UnsetType = UNSET  # the share of the schedule that runs (img2img, inpaint)
+    num_inference_steps: int | UnsetType = UNSET
+    guidance_scale: float | UnsetType = UNSET
+    params: str | UnsetType = UNSET  # other workflow parameters: a JSON object, or ``params[name]`` fields
+    user: str | None = None  # accepted for OpenAI clients; not used
+    quality: str | None = None  # accepted for OpenAI clients; not used
 
 
 class ImageItem(msgspec.Struct, kw_only=True):

@@ -15,6 +15,7 @@ from redis.asyncio import Redis
 from libs.protocol.adverts import StoredAdvert, adverts_key, stored_decoder
 from libs.protocol.keys import Keys
 from libs.protocol.messages import LoraInfo, WorkflowSummary
+from libs.workflow.capabilities import summary
 from libs.workflow.spec import WorkflowSpec, decode_spec
 
 # KEYS[1] = index hash (name -> latest), KEYS[2] = the workflow's hash (version -> spec JSON)
@@ -61,15 +62,7 @@ class WorkflowStore:
         for name_b, version_b in sorted(index.items()):
             spec = await self.get(name_b.decode(), int(version_b))
             if spec is not None:
-                out.append(
-                    WorkflowSummary(
-                        name=spec.name,
-                        version=spec.version,
-                        description=spec.description,
-                        params=sorted(spec.params),
-                        sizes=list(spec.sizes),
-                    )
-                )
+                out.append(summary(spec))
         return out
 
 

@@ -21,6 +21,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from libs.launcher.stack import Stack
+from libs.sim.workflows import sim_workflow
+from libs.workflow.spec import encode_spec
 from tests.integration.test_gateway_stack import PNG_MAGIC, call, gen, start_stack, stop_stack
 
 BUDGET_S = 25.0
@@ -40,6 +42,7 @@ ROUTE_PATHS = [
     "/v1/models",
     "/v1/models/{name}",
     "/openapi.json",
+    "/v1/images/edits",
 ]
 METHODS = ["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"]
 
@@ -220,3 +223,123 @@ def test_random_calls_to_every_route_never_get_a_5xx_and_the_gateway_keeps_servi
     assert base64.b64decode(good.body["data"][0]["b64_json"]).startswith(PNG_MAGIC)
     assert call(stack, "GET", "/readyz", key=None).status == 200
     assert "unhandled error" not in stack.read_log("gateway")
+
+
+# -- POST /v1/images/edits: multipart forms ------------------------------------------------------------
+def _png(size: tuple[int, int], mode: str = "RGB") -> bytes:
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new(mode, size).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+FILES = [
+    _png((32, 32)),
+    _png((32, 32), "RGBA"),
+    _png((16, 8)),
+    _png((4, 4)),
+    _png((32, 32))[:60],
+    b"GIF89a",
+    b"",
+]
+FORM_FIELDS = [
+    "model",
+    "prompt",
+    "n",
+    "size",
+    "seed",
+    "strength",
+    "response_format",
+    "output_format",
+    "params",
+]
+FILE_TYPES = ["image/png", "image/jpeg", "application/octet-stream", "text/plain", ""]
+
+
+@st.composite
+def edit_forms(draw) -> tuple[str, bytes]:
+    """A multipart form (content type, body): good parts, mutated ones, strange names and headers."""
+    boundary = "fuzzb0undary"
+    parts: list[bytes] = []
+
+    def part(name: str, data: bytes, filename: str | None = None, ctype: str | None = None) -> None:
+        disp = f'form-data; name="{name}"' + (f'; filename="{filename}"' if filename else "")
+        head = f"Content-Disposition: {disp}\r\n" + (f"Content-Type: {ctype}\r\n" if ctype else "")
+        parts.append(f"--{boundary}\r\n{head}\r\n".encode() + data + b"\r\n")
+
+    fields = {"model": "edit-wf", "prompt": "a hat"}
+    for _ in range(draw(st.integers(0, 3))):
+        fields[draw(st.sampled_from([*FORM_FIELDS, "x", "params[seed]", "image"]))] = draw(
+            st.one_of(st.text(max_size=20), st.sampled_from(["2", "-1", "0.5", "nan", "{}", "[1]", "auto"]))
+        )
+    for name, value in fields.items():
+        part(name, value.encode("utf-8", "surrogatepass") if isinstance(value, str) else value)
+    for name in draw(st.lists(st.sampled_from(["image", "image[]", "mask", "image"]), max_size=4)):
+        part(name, draw(st.sampled_from(FILES)), "f.png", draw(st.sampled_from(FILE_TYPES)))
+    body = b"".join(parts)
+    if draw(st.integers(0, 5)):
+        body += f"--{boundary}--\r\n".encode()  # else: a form that never ends
+    if not draw(st.integers(0, 9)):
+        body = body[: draw(st.integers(0, len(body)))]  # cut anywhere
+    ctype = draw(
+        weighted(
+            (8, st.just(f"multipart/form-data; boundary={boundary}")),
+            (1, st.sampled_from(["multipart/form-data", "application/json", "multipart/mixed; boundary=x"])),
+        )
+    )
+    return ctype, body
+
+
+def test_random_edit_forms_never_get_a_5xx_and_edits_keep_working(stack):
+    spec = json.loads(encode_spec(sim_workflow("edit-wf", "fast", steps=2)))
+    spec["params"]["image"] = {"type": "image", "required": True}
+    spec["params"]["mask"] = {"type": "image"}
+    spec["params"]["strength"] = {"type": "float", "default": 0.8, "minimum": 0.0, "maximum": 1.0}
+    status, body = stack.http("POST", "/v1/workflows", spec, key="sk-ops")
+    assert status in (200, 201), body
+    started = time.monotonic()
+    seen: dict[int, int] = {}
+
+    @settings(
+        max_examples=400,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+    @given(form=edit_forms())
+    def one(form: tuple[str, bytes]) -> None:
+        if time.monotonic() - started > BUDGET_S / 2:
+            return
+        ctype, data = form
+        hdrs = {"Authorization": "Bearer sk-alice", "Content-Type": ctype, "Prefer": "respond-async"}
+        status = send(stack.gateway_port, "POST", "/v1/images/edits", hdrs, data)
+        seen[status] = seen.get(status, 0) + 1
+        assert status < 500, (ctype, data[:300], status)
+
+    one()
+    assert sum(seen.values()) >= 50, seen
+    assert {400, 422} <= seen.keys(), seen
+    ok = _good_edit(stack.gateway_port)
+    assert ok == 200
+
+
+def _good_edit(port: int) -> int:
+    boundary = "okb0undary"
+    fields = [("model", b"edit-wf", None), ("prompt", b"a hat", None), ("image", _png((32, 32)), "a.png")]
+    body = (
+        b"".join(
+            f'--{boundary}\r\nContent-Disposition: form-data; name="{n}"'.encode()
+            + (f'; filename="{f}"\r\nContent-Type: image/png'.encode() if f else b"")
+            + b"\r\n\r\n"
+            + v
+            + b"\r\n"
+            for n, v, f in fields
+        )
+        + f"--{boundary}--\r\n".encode()
+    )
+    hdrs = {"Authorization": "Bearer sk-alice", "Content-Type": f"multipart/form-data; boundary={boundary}"}
+    return send(port, "POST", "/v1/images/edits", hdrs, body)

@@ -27,6 +27,7 @@ from tests.support.stacks import sim_stack, started
 
 KEYS = "sk-alice=alice,sk-ops=ops:admin"
 WORKFLOW = "fast-wf"
+EDIT = "fast-edit"  # the same simulated nodes, with the edit parameters: an upload fills them
 
 
 def write_profile(path: Path) -> None:
@@ -72,7 +73,25 @@ def stack(broker_urls, tmp_path_factory) -> Iterator[Stack]:
         spec = json.loads(encode_spec(sim_workflow(WORKFLOW, "fast", steps=2, description="a quick one")))
         status, body = s.http("POST", "/v1/workflows", spec, key="sk-ops")
         assert status == 201, body
+        status, body = s.http("POST", "/v1/workflows", edit_workflow(), key="sk-ops")
+        assert status == 201, body
         yield s
+
+
+def edit_workflow() -> dict:
+    """``fast-wf``'s nodes with an ``image`` and a ``mask`` parameter: it edits and inpaints (as far
+    as the gateway can tell: simulated nodes draw their own picture)."""
+    spec = json.loads(encode_spec(sim_workflow(EDIT, "fast", steps=2, description="an editor")))
+    spec["params"]["image"] = {"type": "image", "required": True}
+    spec["params"]["mask"] = {"type": "image"}
+    spec["params"]["strength"] = {"type": "float", "default": 0.8, "minimum": 0.0, "maximum": 1.0}
+    return spec
+
+
+def png(size: tuple[int, int] = (32, 32), mode: str = "RGB", color: object = "red") -> bytes:
+    buf = io.BytesIO()
+    Image.new(mode, size, color).save(buf, format="PNG")
+    return buf.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -154,4 +173,66 @@ def test_the_openapi_document_is_public_and_valid(stack):
     assert got.status_code == 200
     doc = got.json()
     validate(doc)
-    assert {"/v1/images/generations", "/v1/models", "/v1/models/{id}", "/openapi.json"} <= set(doc["paths"])
+    assert {
+        "/v1/images/generations",
+        "/v1/images/edits",
+        "/v1/models",
+        "/v1/models/{id}",
+        "/openapi.json",
+    } <= set(doc["paths"])
+
+
+def test_models_list_what_each_workflow_can_do(client):
+    models = {m.id: m.model_dump() for m in client.models.list().data}
+    assert models[WORKFLOW]["capabilities"] == ["generate"]
+    assert models[EDIT]["capabilities"] == ["edit", "inpaint"]  # it needs an image: it cannot generate
+
+
+def test_an_edit_of_two_images_as_b64_json_without_a_mask(client):
+    result = client.images.edit(
+        model=EDIT,
+        image=("cat.png", png(), "image/png"),
+        prompt="make it blue",
+        n=2,
+        response_format="b64_json",
+    )
+    assert len(result.data) == 2
+    assert all(image_of(base64.b64decode(item.b64_json)).format == "PNG" for item in result.data)
+    assert result.usage.model_dump()["gpu_seconds"] > 0
+
+
+def test_an_edit_with_a_mask_as_urls_and_extra_fields(client):
+    mask = png(mode="RGBA", color=(0, 0, 0, 0))  # all transparent: repaint everything
+    result = client.images.edit(
+        model=EDIT,
+        image=("cat.png", png(), "image/png"),
+        mask=("mask.png", mask, "image/png"),
+        prompt="a hat",
+        n=2,
+        response_format="url",
+        extra_body={"seed": 7, "strength": 0.5},
+    )
+    assert len(result.data) == 2 and [item.model_dump().get("seed") for item in result.data] == [7, 8]
+    for item in result.data:
+        got = httpx.get(item.url, headers={"Authorization": "Bearer sk-alice"}, timeout=30)
+        assert got.status_code == 200 and image_of(got.content).format == "PNG"
+
+
+def test_bad_edits_are_4xx_naming_the_field(client):
+    cases = [
+        (dict(model=WORKFLOW, image=("a.png", png(), "image/png")), 400, "model"),  # takes no image
+        (dict(model=EDIT, image=("a.png", b"not an image", "image/png")), 422, "image"),
+        (dict(model=EDIT, image=("a.txt", png(), "text/plain")), 422, "image"),
+        (
+            dict(model=EDIT, image=("a.png", png(), "image/png"), mask=("m.png", png((16, 16)), "image/png")),
+            422,
+            "mask",
+        ),
+    ]
+    for kwargs, status, param in cases:
+        with pytest.raises(openai.APIStatusError) as e:
+            client.images.edit(prompt="x", **kwargs)
+        assert e.value.status_code == status and e.value.body["param"] == param, (kwargs, e.value.body)
+    # The gateway keeps serving.
+    ok = client.images.edit(model=EDIT, image=("a.png", png(), "image/png"), prompt="x")
+    assert len(ok.data) == 1

@@ -1,4 +1,5 @@
-"""Images over HTTP: ``POST /v1/images/generations`` and ``GET /v1/images/files/{request_id}/{name}``.
+"""Images over HTTP: ``POST /v1/images/generations``, ``POST /v1/images/edits`` and
+``GET /v1/images/files/{request_id}/{name}``.
 
 A generation checks the body, then its :class:`~services.gateway.calls.Call` admits it
 (``admission.py``), records it (``records.py``), puts one ``ImageRequest`` per image on the intake
@@ -7,6 +8,10 @@ and answers once every image has ended — or at once, 202, with ``Prefer: respo
 admission slots until the images are done. A synchronous call whose client disconnects is
 cancelled, unless it carries an ``Idempotency-Key`` (its client will retry and pick it up:
 ``idempotency.py``); a ``webhook`` in the body is called when the call ends (``webhooks.py``).
+
+An edit is the same call from a multipart form (``edits.py``): its files fill the workflow's
+``image`` (and ``mask``) parameters, and it is answered, made asynchronous, followed over SSE and
+looked up exactly as a generation is.
 
 An image of a call made with ``response_format: url`` is fetched from the file route by the tenant
 that made it: ``.png`` as stored, ``.jpeg``/``.webp`` transcoded (``formats.py``).
@@ -29,6 +34,7 @@ from services.gateway.body import BUS_PAYLOAD_LIMIT, json_object, read_json, too
 from services.gateway.bridge import Bridge
 from services.gateway.calls import REQUEST_ID_HEADER, Call
 from services.gateway.context import BRIDGE, CONFIG, DECODE_SLOTS, METRICS, PRINCIPAL, RECORDS
+from services.gateway.edits import EditForm, bind_files, read_edit_form
 from services.gateway.errors import ApiError
 from services.gateway.formats import CONTENT_TYPES, DEFAULT_COMPRESSION, suffix_format, transcode
 from services.gateway.generation import parse_generation, parse_model
@@ -43,6 +49,7 @@ PREFER_ASYNC = re.compile(r"(?:^|,)\s*respond-async\s*(?:[;,]|$)", re.IGNORECASE
 
 def add_routes(router: web.UrlDispatcher) -> None:
     router.add_post("/v1/images/generations", generate)
+    router.add_post("/v1/images/edits", edit)
     router.add_get("/v1/images/files/{request_id}/{name}", image_file)
 
 
@@ -53,23 +60,40 @@ def wants_async(request: web.Request) -> bool:
 
 # -- POST /v1/images/generations ---------------------------------------------------------------------
 async def generate(request: web.Request) -> web.Response:
+    cfg = request.app[CONFIG]
+    body = json_object(await read_json(request, int(cfg.max_body_mb * (1 << 20))))
+    return await _call(request, body, webhook=True)
+
+
+# -- POST /v1/images/edits --------------------------------------------------------------------------
+async def edit(request: web.Request) -> web.Response:
+    form = await read_edit_form(request)
+    return await _call(request, form.body, form=form)
+
+
+async def _call(
+    request: web.Request, body: dict[str, Any], *, webhook: bool = False, form: EditForm | None = None
+) -> web.Response:
+    """A generation (or an edit, with its ``form``'s files) checked, made into a call and answered."""
     app = request.app
     cfg = app[CONFIG]
     who: Principal = request[PRINCIPAL]
     key = idempotency_key(request)
-    body = json_object(await read_json(request, int(cfg.max_body_mb * (1 << 20))))
     prompt = body.get("prompt")
     if isinstance(prompt, str) and len(prompt.encode()) > BUS_PAYLOAD_LIMIT:
         raise too_large("prompt", BUS_PAYLOAD_LIMIT, param="prompt")
     spec = await lookup_workflow(app[BRIDGE], parse_model(body))
+    if form is not None:
+        bind_files(form, spec)
     respond_async = wants_async(request)
-    webhook = webhooks.check_url(body["webhook"]) if "webhook" in body else None
+    hook = webhooks.check_url(body["webhook"]) if webhook and "webhook" in body else None
     gen = parse_generation({k: v for k, v in body.items() if k != "webhook"}, spec, cfg.max_n)
-    call = await Call.create(app, who.tenant, spec, gen, body, key)
+    files = form.files if form is not None else None
+    call = await Call.create(app, who.tenant, spec, gen, body, key, files)
     if call.replayed:  # the call this key names: answer as it answers
         data = await call.replay(request, respond_async)
         return accepted(call, data) if respond_async else answered(call, data)
-    call.submit(request, webhook)
+    call.submit(request, hook)
     if respond_async:
         return accepted(call, await call.status(request, with_data=False))
     t0 = time.monotonic()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgspec
 from aiohttp import web
 
-from libs.protocol.messages import WorkflowSummary
+from libs.workflow.capabilities import summary
 from services.gateway.context import BRIDGE
 from services.gateway.models import ModelList, infos, lookup_workflow, model_object
 
@@ -26,12 +26,5 @@ async def list_models(request: web.Request) -> web.Response:
 async def get_model(request: web.Request) -> web.Response:
     spec = await lookup_workflow(request.app[BRIDGE], request.match_info["id"], param="id")
     info = (await infos(request.app, [spec.name]))[spec.name]
-    summary = WorkflowSummary(
-        name=spec.name,
-        version=spec.version,
-        description=spec.description,
-        params=sorted(spec.params),
-        sizes=list(spec.sizes),
-    )
-    body = model_object(summary, info)
+    body = model_object(summary(spec), info)
     return web.Response(body=msgspec.json.encode(body), content_type="application/json")
