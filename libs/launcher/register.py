@@ -13,7 +13,8 @@ needed; as the NATS admin user in compose):
       NAME=FAMILY:MODEL[?size=WxH&steps=N&msl=N&guidance=G]
       flux-schnell=flux:black-forest-labs/FLUX.1-schnell?size=1024x1024&steps=4&guidance=0
 
-  entries separated by spaces or ``;``; FAMILY is one of flux, sd, sd3, sana;
+  entries separated by spaces or ``;``; FAMILY is one of flux, sd, sd3, sana, flux2 (Flux.2 Klein;
+  its defaults are ``Flux2KleinPipeline``'s, so a step-distilled checkpoint wants ``steps=4``);
 * every ``*.json`` spec in ``--specs DIR`` (what ``libs.sdk`` / ``t2i register`` send).
 
 Registering is idempotent (an unchanged spec keeps its version), so it runs at every ``up``. It
@@ -39,6 +40,7 @@ DEFAULTS = {
     "sd": ("512x512", 30, 0),
     "sd3": ("1024x1024", 28, 256),
     "sana": ("1024x1024", 20, 300),
+    "flux2": ("1024x1024", 50, 512),
 }
 
 
@@ -58,7 +60,7 @@ class Entry:
 
     def spec(self):
         """The family's basic text-to-image workflow on ``model``."""
-        from libs.models import flux_workflows, sana_workflows, sd3_workflows, sd_workflows
+        from libs.models import flux2_workflows, flux_workflows, sana_workflows, sd3_workflows, sd_workflows
 
         kw: dict = {
             "sizes": [self.size],
@@ -71,8 +73,14 @@ class Entry:
             return flux_workflows.flux_workflow(
                 self.name, self.model, max_sequence_length=self.max_sequence_length, **kw
             )
+        if self.family == "flux2":
+            if self.guidance is not None:
+                kw["guidance_scale"] = self.guidance
+            return flux2_workflows.flux2_workflow(
+                self.name, self.model, max_sequence_length=self.max_sequence_length, **kw
+            )
         if self.guidance is not None:
-            raise EntryError(f"{self.name}: guidance= applies to flux workflows only")
+            raise EntryError(f"{self.name}: guidance= applies to flux and flux2 workflows only")
         if self.family == "sd":
             return sd_workflows.sd_workflow(self.name, self.model, **kw)
         if self.family == "sd3":

@@ -78,6 +78,7 @@ FAMILIES: dict[str, Family] = {
         ),  # fmt: skip
         Family("sd3", "tiny-sd3-style", (("cuda", "bfloat16"),), ("StableDiffusion3", "SD3")),
         Family("sana", "tiny-sana-style", (("cuda", "bfloat16"),), ("Sana",)),
+        Family("flux2", "tiny-flux2-style", (("cuda", "bfloat16"),), ("Flux2",)),
     )
 }
 

@@ -371,4 +371,47 @@ EXPECTED_IO: dict[str, dict[str, tuple[dict[str, bool], list[str], list[str]]]] 
             [],
         ),
     },
+    "flux2": {
+        "flux2.text_encoder": (
+            {"prompt": False, "guidance_scale": False, "max_sequence_length": False},
+            ["prompt_embeds", "text_ids"],
+            [],
+        ),
+        "flux2.prepare_latents": (
+            {"seed": False, "height": False, "width": False, "num_inference_steps": False},
+            ["latents", "latent_ids", "timesteps"],
+            [],
+        ),
+        "flux2.transformer": (
+            {
+                "latents": False,
+                "timesteps": False,
+                "step": False,
+                "guidance_scale": False,
+                "prompt_embeds": False,
+                "text_ids": False,
+                "latent_ids": False,
+                "lora": False,
+                "lora_scale": False,
+            },
+            ["noise_pred"],
+            ["lora", "lora_scale"],
+        ),
+        "flux2.scheduler_step": (
+            {
+                "noise_pred": False,
+                "latents": False,
+                "timesteps": False,
+                "step": False,
+                "num_inference_steps": False,
+            },
+            ["latents"],
+            [],
+        ),
+        "flux2.vae_decode": (
+            {"latents": False, "latent_ids": False, "height": False, "width": False},
+            ["image"],
+            [],
+        ),
+    },
 }

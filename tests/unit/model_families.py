@@ -67,7 +67,7 @@ class Harness:
     base: str  # the basic workflow's name, which is also its model folder's
     denoiser: str  # fn_name of the node that takes the LoRA and the ControlNet's outputs
     step_rejects: dict[str, Any] = {}  # extra prepare_latents inputs for the scheduler-step check
-    mid_forward: MidForward
+    mid_forward: MidForward | None  # None: the family has no ControlNet workflow
     cases: list[Any] = []  # (workflow, changes, id) of the bitwise tests
 
     def __init__(self, root: Path) -> None:
@@ -582,9 +582,102 @@ def sana_pipeline_image(pipe: Any, control: Image.Image | None = None, **params:
     return np.array(pipe(params["prompt"], **kwargs).images[0])
 
 
+# -- Flux.2 Klein --------------------------------------------------------------------------------------
+
+
+class Flux2(Harness):
+    family, base, denoiser = "flux2", "tiny-flux2-klein", "flux2.transformer"
+    cases = [
+        ("tiny-flux2-klein", {}, "base-64x96-cfg"),
+        ("tiny-flux2-klein", dict(height=128, width=64, seed=7, guidance_scale=1.0), "base-128x64-no-cfg"),
+        ("tiny-flux2-klein", dict(height=80, width=48, seed=3, num_inference_steps=2), "base-80x48-2-steps"),
+        ("tiny-flux2-klein-lora", dict(lora_scale=0.8), "lora-scale-0.8"),
+        ("tiny-flux2-klein-lora", dict(lora_scale=1.3, guidance_scale=1.0, seed=4), "lora-no-cfg"),
+    ]
+    mid_forward = None  # diffusers has no Flux.2 Klein ControlNet pipeline
+
+    def __init__(self, root: Path) -> None:
+        self.decoded: list[torch.Tensor] = []  # the latents every flux2.vae_decode received
+        super().__init__(root)
+        self._pipes: dict[tuple[str, bool], Any] = {}
+
+    def classes(self, **replace: type[ModelFn]) -> dict[str, type[ModelFn]]:
+        from libs.models.flux2 import Flux2VaeDecode
+
+        decoded = self.decoded
+
+        class RecordingVaeDecode(Flux2VaeDecode):
+            def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
+                decoded.append(inputs["latents"])
+                return super().execute(components, **inputs)
+
+        return super().classes(**{"flux2.vae_decode": RecordingVaeDecode, **replace})
+
+    def pipeline(self, model: str | Path, lora: bool) -> Any:
+        """``Flux2KleinPipeline`` on the folder ``model`` (a name in :attr:`paths` or a path), with
+        the family's LoRA loaded the pipeline's way (``load_lora_weights``), kept across requests."""
+        key = (str(model), lora)
+        if key not in self._pipes:
+            from diffusers import Flux2KleinPipeline
+
+            pipe = Flux2KleinPipeline.from_pretrained(self.paths.get(str(model), model))
+            pipe.set_progress_bar_config(disable=True)
+            if lora:
+                pipe.load_lora_weights(self.loras[STYLE], adapter_name=STYLE)
+            self._pipes[key] = pipe
+        return self._pipes[key]
+
+    def base_request(self, workflow: str) -> dict[str, Any]:
+        """64x96 (not square), seed 11, 3 steps with CFG; the LoRA at 0.7."""
+        return dict(
+            prompt=PROMPT,
+            height=64,
+            width=96,
+            seed=11,
+            num_inference_steps=3,
+            guidance_scale=4.0,
+            max_sequence_length=96,
+            lora_scale=0.7,
+        )
+
+    def control_image(self) -> Image.Image:
+        return Image.new("RGB", (8, 8))  # no workflow of the family reads it (no ControlNet)
+
+    def run(self, runner: LocalRunner, workflow: str, params: dict[str, Any], **images: Any) -> Result:
+        image = super().run(runner, workflow, params, **images).image
+        return Result(image, self.decoded[-1])
+
+    def reference(self, workflow: str, params: dict[str, Any], model: str | Path | None = None) -> Result:
+        return flux2_pipeline_result(self.pipeline(model or self.base, bool(params.get("lora"))), params)
+
+
+def flux2_pipeline_result(pipe: Any, params: dict[str, Any]) -> Result:
+    """The Klein pipeline's image and its packed latents after the last step (what
+    ``flux2.vae_decode`` receives), for the workflow parameters ``params``."""
+    if params.get("lora"):
+        pipe.set_adapters([STYLE], [params.get("lora_scale", 1.0)])  # what LoraSwitch does
+    final: list[torch.Tensor] = []
+
+    def keep_latents(_pipe: Any, _i: int, _t: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+        final[:] = [kwargs["latents"]]
+        return {}
+
+    image = pipe(
+        prompt=params["prompt"],
+        height=params["height"],
+        width=params["width"],
+        num_inference_steps=params["num_inference_steps"],
+        guidance_scale=params["guidance_scale"],
+        generator=torch.Generator().manual_seed(params["seed"]),
+        max_sequence_length=params["max_sequence_length"],
+        callback_on_step_end=keep_latents,
+    ).images[0]
+    return Result(np.array(image), final[0])
+
+
 # -- one harness per family, built once per session ----------------------------------------------------
 
-HARNESSES: dict[str, type[Harness]] = {h.family: h for h in (Flux, Sd, Sd3, Sana)}
+HARNESSES: dict[str, type[Harness]] = {h.family: h for h in (Flux, Sd, Sd3, Sana, Flux2)}
 FAMILIES = list(HARNESSES)
 assert FAMILIES == list(families.FAMILIES), "a harness per family, in the catalog's order"
 _BUILT: dict[str, Harness] = {}

@@ -46,6 +46,9 @@ COMPONENTS = [
     ("tiny-sana", "transformer"),
     ("tiny-sana", "vae"),
     ("tiny-sana-controlnet", "controlnet"),
+    ("tiny-flux2-klein", "text_encoder"),
+    ("tiny-flux2-klein", "transformer"),
+    ("tiny-flux2-klein", "vae"),
 ]
 
 

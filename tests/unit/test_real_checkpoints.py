@@ -118,6 +118,7 @@ def test_the_init_job_converts_each_model_at_the_dtype_its_executors_load_it_at(
 def test_each_family_runs_on_cuda_at_the_dtype_its_pipeline_is_run_at_and_the_cpu_as_saved() -> None:
     assert {f: device_dtype(FAMILIES[f], "cuda:3") for f in FAMILIES} == {
         "flux": "bfloat16", "sd": "float16", "sd3": "bfloat16", "sana": "bfloat16",
+        "flux2": "bfloat16",
     }  # fmt: skip
     assert {device_dtype(FAMILIES[f], "cpu") for f in FAMILIES} == {None}
     assert default_dtype(FluxTransformer("m"), "cuda") == "bfloat16"
@@ -126,6 +127,7 @@ def test_each_family_runs_on_cuda_at_the_dtype_its_pipeline_is_run_at_and_the_cp
         "FluxPipeline": "flux", "FluxControlNetModel": "flux", "StableDiffusionPipeline": "sd",
         "StableDiffusion3Pipeline": "sd3", "SD3ControlNetModel": "sd3", "ControlNetModel": "sd",
         "SanaPipeline": "sana", "WanPipeline": None,
+        "Flux2KleinPipeline": "flux2", "Flux2Transformer2DModel": "flux2",
     }  # fmt: skip
     assert {c: getattr(family_of_class(c), "name", None) for c in classes} == classes
 
