@@ -54,8 +54,12 @@ def stack(broker_urls, tmp_path_factory) -> Iterator[Stack]:
         tmp, api_keys=KEYS, sim_profile=str(tmp / "profile.json"), nats_url=nats_url, redis_url=redis_url
     )
     with started(s):
-        for name, fam, steps in (("cli-wf", "fast", 4), ("slow-cli-wf", "slow", 8)):
+        for name, fam, steps in (("cli-wf", "fast", 4), ("slow-cli-wf", "slow", 8), ("cli-edit", "fast", 2)):
             spec = json.loads(encode_spec(sim_workflow(name, fam, steps=steps)))
+            if name == "cli-edit":  # an editor, for the gateway: an uploaded image fills ``image``
+                spec["params"]["image"] = {"type": "image", "required": True}
+                spec["params"]["mask"] = {"type": "image"}
+                spec["params"]["strength"] = {"type": "float", "default": 0.8, "minimum": 0, "maximum": 1}
             status, body = s.http("POST", "/v1/workflows", spec, key=ADMIN)
             assert status == 201, body
         yield s
@@ -94,6 +98,23 @@ def test_generate_saves_a_png_and_shows_progress_over_the_steps(stack, tmp_path)
     gpu = re.search(r"gpu_seconds: ([0-9.]+)", p.stdout)
     assert gpu and float(gpu.group(1)) > 0, explain(p)
     assert "Traceback" not in p.stderr
+
+
+def test_edit_uploads_the_image_and_mask_and_saves_the_result(stack, tmp_path):
+    picture, mask = tmp_path / "in.png", tmp_path / "mask.png"
+    Image.new("RGB", (32, 32), "red").save(picture)
+    Image.new("RGBA", (32, 32), (0, 0, 0, 0)).save(mask)
+    out = tmp_path / "edited.png"
+    p = t2i(
+        stack, "edit", "a hat", "-m", "cli-edit", "--image", str(picture), "--mask", str(mask),
+        "--strength", "0.5", "--seed", "2", "--out", str(out),
+    )  # fmt: skip
+    assert p.returncode == 0, explain(p)
+    assert out.read_bytes().startswith(PNG_MAGIC) and f"saved {out}" in p.stdout, explain(p)
+    wrong = t2i(stack, "edit", "a hat", "-m", "cli-wf", "--image", str(picture), "-o", str(tmp_path))
+    assert wrong.returncode != 0 and "takes no image" in wrong.stderr and "Traceback" not in wrong.stderr
+    missing = t2i(stack, "edit", "a hat", "-m", "cli-edit", "--image", str(tmp_path / "nope.png"))
+    assert missing.returncode == 2 and "cannot read" in missing.stderr, explain(missing)
 
 
 def test_generate_several_images_numbers_the_files(stack, tmp_path):
