@@ -14,7 +14,9 @@ needed; as the NATS admin user in compose):
       flux-schnell=flux:black-forest-labs/FLUX.1-schnell?size=1024x1024&steps=4&guidance=0
 
   entries separated by spaces or ``;``; FAMILY is one of flux, sd, sd3, sana, flux2 (Flux.2 Klein;
-  its defaults are ``Flux2KleinPipeline``'s, so a step-distilled checkpoint wants ``steps=4``);
+  its defaults are ``Flux2KleinPipeline``'s, so a step-distilled checkpoint wants ``steps=4``),
+  zimage (Z-Image; ``ZImagePipeline``'s defaults, base Z-Image's: Turbo wants
+  ``steps=8&guidance=0``);
 * every ``*.json`` spec in ``--specs DIR`` (what ``libs.sdk`` / ``t2i register`` send).
 
 Registering is idempotent (an unchanged spec keeps its version), so it runs at every ``up``. It
@@ -41,6 +43,7 @@ DEFAULTS = {
     "sd3": ("1024x1024", 28, 256),
     "sana": ("1024x1024", 20, 300),
     "flux2": ("1024x1024", 50, 512),
+    "zimage": ("1024x1024", 50, 512),
 }
 
 
@@ -79,8 +82,16 @@ class Entry:
             return flux2_workflows.flux2_workflow(
                 self.name, self.model, max_sequence_length=self.max_sequence_length, **kw
             )
+        if self.family == "zimage":
+            from libs.models import zimage_workflows
+
+            if self.guidance is not None:
+                kw["guidance_scale"] = self.guidance
+            return zimage_workflows.zimage_workflow(
+                self.name, self.model, max_sequence_length=self.max_sequence_length, **kw
+            )
         if self.guidance is not None:
-            raise EntryError(f"{self.name}: guidance= applies to flux and flux2 workflows only")
+            raise EntryError(f"{self.name}: guidance= applies to flux, flux2 and zimage workflows only")
         if self.family == "sd":
             return sd_workflows.sd_workflow(self.name, self.model, **kw)
         if self.family == "sd3":

@@ -2,8 +2,9 @@
 {basic, +ControlNet, +LoRA, +both}.
 
 Families: Stable Diffusion 1.5 (UNet, CFG), SD3 (three text encoders, CFG), Flux dev (guidance
-embedding) and schnell, and Sana (a DiT with its own ControlNet). Every family ``f`` is four modules
-of one naming scheme:
+embedding) and schnell, Sana (a DiT with its own ControlNet) and Z-Image with Z-Image-Turbo (a
+Qwen3 encoder, a single-stream DiT whose ControlNet borrows its refiners). Every family ``f`` is
+four modules of one naming scheme:
 
 * ``libs.models.f``: the ModelFns of the base pipeline (what ``f.*`` entry points name);
 * ``libs.models.f_controlnet``: the ModelFns only its ControlNet pipeline has;
@@ -78,6 +79,7 @@ FAMILIES: dict[str, Family] = {
         ),  # fmt: skip
         Family("sd3", "tiny-sd3-style", (("cuda", "bfloat16"),), ("StableDiffusion3", "SD3")),
         Family("sana", "tiny-sana-style", (("cuda", "bfloat16"),), ("Sana",)),
+        Family("zimage", "tiny-zimage-style", (("cuda", "bfloat16"),), ("ZImage",)),
         Family("flux2", "tiny-flux2-style", (("cuda", "bfloat16"),), ("Flux2",)),
     )
 }

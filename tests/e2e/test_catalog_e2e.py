@@ -105,7 +105,10 @@ def test_every_catalog_workflow_is_registered_and_listed(stack):
     names = {w["name"] for w in body["data"]}
     assert status == 200 and names == {spec.name for spec in families.workflows()}
     assert len(names) >= 20
-    for family in ("tiny-sd15", "tiny-sd3", "tiny-flux", "tiny-flux-schnell", "tiny-sana"):
+    for family in (
+        *("tiny-sd15", "tiny-sd3", "tiny-flux", "tiny-flux-schnell", "tiny-sana"),
+        *("tiny-zimage", "tiny-zimage-turbo"),
+    ):
         assert {family, f"{family}-controlnet", f"{family}-lora", f"{family}-controlnet-lora"} <= names
 
 

@@ -582,6 +582,134 @@ def sana_pipeline_image(pipe: Any, control: Image.Image | None = None, **params:
     return np.array(pipe(params["prompt"], **kwargs).images[0])
 
 
+# -- Z-Image -------------------------------------------------------------------------------------------
+
+
+class ZImage(Harness):
+    family, base, denoiser = "zimage", "tiny-zimage", "zimage.transformer"
+    cases = [
+        ("tiny-zimage", {}, "base-64x96-cfg"),
+        ("tiny-zimage", dict(height=128, width=64, seed=7, guidance_scale=0.0), "base-128x64-no-cfg"),
+        (
+            "tiny-zimage",
+            dict(seed=2, num_inference_steps=4, cfg_truncation=0.5, cfg_normalization=1.05),
+            "base-cfg-truncation-and-normalization",
+        ),
+        ("tiny-zimage-controlnet", dict(control_scale=0.75), "controlnet-64x96-cfg"),
+        ("tiny-zimage-lora", dict(lora_scale=0.8), "lora-scale-0.8"),
+        ("tiny-zimage-controlnet-lora", dict(lora_scale=1.3, seed=3, height=64, width=64), "controlnet-lora"),
+        ("tiny-zimage-turbo", {}, "turbo-defaults"),
+        ("tiny-zimage-turbo", dict(guidance_scale=2.0, num_inference_steps=3, seed=5), "turbo-with-cfg"),
+        ("tiny-zimage-turbo-controlnet", dict(control_scale=0.75, seed=6), "turbo-controlnet"),
+        ("tiny-zimage-turbo-lora", dict(lora_scale=1.3, seed=4), "turbo-lora"),
+        ("tiny-zimage-turbo-controlnet-lora", dict(seed=8, num_inference_steps=3), "turbo-controlnet-lora"),
+    ]
+    mid_forward = MidForward(
+        workflow="tiny-zimage-controlnet",
+        component="transformer",
+        callbacks=("controlnet_block_samples", "controlnet_layer_places"),
+        # the forward first looks a layer up in the samples after main layer 0
+        hooks={"layers.0": "layer 0", "layers.1": "layer 1"},
+        per_step=[
+            "execute",
+            "layer 0",
+            "fetch controlnet_layer_places",
+            "fetch controlnet_block_samples",
+            "layer 1",
+            "done",
+        ],
+        changes=dict(num_inference_steps=2),
+    )
+
+    def __init__(self, root: Path) -> None:
+        self.decoded: list[torch.Tensor] = []  # the latents every zimage.vae_decode received
+        super().__init__(root)
+        self._pipes: dict[tuple[str, bool], Any] = {}
+
+    def classes(self, **replace: type[ModelFn]) -> dict[str, type[ModelFn]]:
+        from libs.models.zimage import ZImageVaeDecode
+
+        decoded = self.decoded
+
+        class RecordingVaeDecode(ZImageVaeDecode):
+            def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
+                decoded.append(inputs["latents"])
+                return super().execute(components, **inputs)
+
+        return super().classes(**{"zimage.vae_decode": RecordingVaeDecode, **replace})
+
+    def pipeline(self, model: str, lora: bool) -> Any:
+        """The monolithic pipeline on the folder ``model`` (a ``ZImageControlNetPipeline`` one for
+        the ControlNet folders), with the family's LoRA loaded the pipeline's way
+        (``load_lora_weights``), kept across requests."""
+        key = (model, lora)
+        if key not in self._pipes:
+            from diffusers import ZImageControlNetPipeline, ZImagePipeline
+
+            cls = ZImageControlNetPipeline if model.endswith("-controlnet") else ZImagePipeline
+            pipe = cls.from_pretrained(self.paths[model])
+            pipe.set_progress_bar_config(disable=True)
+            if lora:
+                pipe.load_lora_weights(self.loras[STYLE], adapter_name=STYLE)
+            self._pipes[key] = pipe
+        return self._pipes[key]
+
+    def base_request(self, workflow: str) -> dict[str, Any]:
+        """64x96 (not square), seed 11; base with 3 steps and CFG, Turbo with its defaults."""
+        params: dict[str, Any] = dict(
+            prompt=PROMPT,
+            negative_prompt=NEGATIVE,
+            height=64,
+            width=96,
+            seed=11,
+            lora_scale=0.7,
+            control_scale=0.8,
+        )
+        if "turbo" not in workflow:
+            params.update(num_inference_steps=3, guidance_scale=4.0)
+        return params
+
+    def control_image(self) -> Image.Image:
+        # Not the output size: the pipeline (and zimage.control_encode) resize it.
+        pixels = np.random.default_rng(5).integers(0, 256, (80, 72, 3), dtype=np.uint8)
+        return Image.fromarray(pixels, "RGB")
+
+    def run(self, runner: LocalRunner, workflow: str, params: dict[str, Any], **images: Any) -> Result:
+        image = super().run(runner, workflow, params, **images).image
+        return Result(image, self.decoded[-1])
+
+    def reference(self, workflow: str, params: dict[str, Any]) -> Result:
+        model = "tiny-zimage-turbo" if "turbo" in workflow else "tiny-zimage"
+        kwargs: dict[str, Any] = {}
+        if "control_image" in params:
+            model += "-controlnet"
+            kwargs.update(
+                control_image=self.control_image(), controlnet_conditioning_scale=params["control_scale"]
+            )
+        lora = bool(params.get("lora"))
+        pipe = self.pipeline(model, lora)
+        if lora:
+            pipe.set_adapters([STYLE], [params.get("lora_scale", 1.0)])  # what LoraSwitch does
+        outputs = [
+            pipe(
+                params["prompt"],
+                negative_prompt=params["negative_prompt"],
+                height=params["height"],
+                width=params["width"],
+                num_inference_steps=params["num_inference_steps"],
+                guidance_scale=params["guidance_scale"],
+                cfg_normalization=params["cfg_normalization"],
+                cfg_truncation=params["cfg_truncation"],
+                generator=torch.Generator().manual_seed(params["seed"]),
+                max_sequence_length=params["max_sequence_length"],
+                output_type=output_type,
+                **kwargs,
+            ).images
+            for output_type in ("pil", "latent")
+        ]
+        return Result(np.array(outputs[0][0]), outputs[1])
+
+
 # -- Flux.2 Klein --------------------------------------------------------------------------------------
 
 
@@ -677,7 +805,7 @@ def flux2_pipeline_result(pipe: Any, params: dict[str, Any]) -> Result:
 
 # -- one harness per family, built once per session ----------------------------------------------------
 
-HARNESSES: dict[str, type[Harness]] = {h.family: h for h in (Flux, Sd, Sd3, Sana, Flux2)}
+HARNESSES: dict[str, type[Harness]] = {h.family: h for h in (Flux, Sd, Sd3, Sana, ZImage, Flux2)}
 FAMILIES = list(HARNESSES)
 assert FAMILIES == list(families.FAMILIES), "a harness per family, in the catalog's order"
 _BUILT: dict[str, Harness] = {}

@@ -51,6 +51,9 @@ WORKFLOWS = {
     ],
     "sd3": ["tiny-sd3", "tiny-sd3-controlnet", "tiny-sd3-lora", "tiny-sd3-controlnet-lora"],
     "sana": ["tiny-sana", "tiny-sana-controlnet", "tiny-sana-lora", "tiny-sana-controlnet-lora"],
+    "zimage": [
+        f"tiny-zimage{v}{s}" for v in ("", "-turbo") for s in ("", "-controlnet", "-lora", "-controlnet-lora")
+    ],
     "flux2": ["tiny-flux2-klein", "tiny-flux2-klein-lora"],
 }
 # The ModelFns only the img2img and inpaint pipelines have: in libs.models.{family}_img2img.
@@ -64,6 +67,7 @@ CONTROLNET_FNS = {
     "sd": {"sd.control_image", "sd.controlnet"},
     "sd3": {"sd3.control_image", "sd3.controlnet"},
     "sana": {"sana.control_encode", "sana.controlnet"},
+    "zimage": {"zimage.control_encode", "zimage.controlnet"},
     "flux2": set(),  # diffusers has no Flux.2 Klein ControlNet pipeline
 }
 
@@ -117,6 +121,7 @@ def test_the_catalog_is_every_familys_workflows_and_loras() -> None:
         "tiny-sd15-style": "loras/tiny-sd15-style.safetensors",
         "tiny-sd3-style": "loras/tiny-sd3-style.safetensors",
         "tiny-sana-style": "loras/tiny-sana-style.safetensors",
+        "tiny-zimage-style": "loras/tiny-zimage-style.safetensors",
         "tiny-flux2-style": "loras/tiny-flux2-style.safetensors",
     }
 

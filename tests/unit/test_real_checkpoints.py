@@ -119,6 +119,7 @@ def test_each_family_runs_on_cuda_at_the_dtype_its_pipeline_is_run_at_and_the_cp
     assert {f: device_dtype(FAMILIES[f], "cuda:3") for f in FAMILIES} == {
         "flux": "bfloat16", "sd": "float16", "sd3": "bfloat16", "sana": "bfloat16",
         "flux2": "bfloat16",
+        "zimage": "bfloat16",
     }  # fmt: skip
     assert {device_dtype(FAMILIES[f], "cpu") for f in FAMILIES} == {None}
     assert default_dtype(FluxTransformer("m"), "cuda") == "bfloat16"
@@ -128,6 +129,7 @@ def test_each_family_runs_on_cuda_at_the_dtype_its_pipeline_is_run_at_and_the_cp
         "StableDiffusion3Pipeline": "sd3", "SD3ControlNetModel": "sd3", "ControlNetModel": "sd",
         "SanaPipeline": "sana", "WanPipeline": None,
         "Flux2KleinPipeline": "flux2", "Flux2Transformer2DModel": "flux2",
+        "ZImagePipeline": "zimage", "ZImageControlNetModel": "zimage",
     }  # fmt: skip
     assert {c: getattr(family_of_class(c), "name", None) for c in classes} == classes
 
