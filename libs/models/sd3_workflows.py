@@ -15,12 +15,17 @@ real checkpoints by pointing ``model``/``controlnet`` at them (pass the ControlN
 ``force_zeros_for_pooled_projection``: ``sd3.controlnet`` refuses a value its config contradicts). The
 four variants come from :func:`libs.models.common.variant_workflows`.
 
+``tiny-sd3-img2img`` and ``tiny-sd3-inpaint`` (:func:`sd3_edit_workflow`) start from an ``image``:
+``StableDiffusion3Img2ImgPipeline`` and ``StableDiffusion3InpaintPipeline``, whose loop runs only the
+last steps of the schedule (``strength``); the inpainting one blends the kept region back after every
+Euler step (:mod:`libs.models.sd3_img2img`).
+
 This module imports no torch: composing only records names and references.
 """
 
 from __future__ import annotations
 
-from libs.models.common import Variant, controlnet_params, lora_params, variant_workflows
+from libs.models.common import Variant, controlnet_params, edit_params, lora_params, variant_workflows
 from libs.models.sd3 import (
     SD3ClipEncoder,
     SD3FlowMatchStep,
@@ -31,6 +36,7 @@ from libs.models.sd3 import (
     SD3VaeDecode,
 )
 from libs.models.sd3_controlnet import SD3ControlImage, SD3ControlNet
+from libs.models.sd3_img2img import SD3InpaintBlend, SD3InpaintLatents, SD3InpaintVaeDecode, SD3VaeEncode
 from libs.workflow.compose import Value, Workflow
 from libs.workflow.modelfn import ModelFn
 from libs.workflow.spec import ParamSpec, WorkflowSpec
@@ -45,6 +51,10 @@ MODELFNS: list[type[ModelFn]] = [
     SD3VaeDecode,
     SD3ControlImage,
     SD3ControlNet,
+    SD3VaeEncode,
+    SD3InpaintLatents,
+    SD3InpaintBlend,
+    SD3InpaintVaeDecode,
 ]
 
 TINY_SIZES = ["128x128", "64x64", "256x256", "128x64", "64x128"]
@@ -143,4 +153,66 @@ def workflows(model: str = "tiny-sd3", controlnet: str = "tiny-sd3-controlnet") 
             description=description,
         )
 
-    return variant_workflows("tiny-sd3", DESCRIPTION, compose)
+    return [
+        *variant_workflows("tiny-sd3", DESCRIPTION, compose),
+        sd3_edit_workflow(
+            "tiny-sd3-img2img", model, inpaint=False, sizes=TINY_SIZES, description=DESCRIPTION + ", img2img"
+        ),
+        sd3_edit_workflow(
+            "tiny-sd3-inpaint",
+            model,
+            inpaint=True,
+            sizes=TINY_SIZES,
+            description=DESCRIPTION + ", inpainting",
+        ),
+    ]
+
+
+def sd3_edit_workflow(
+    name: str,
+    model: str,
+    *,
+    inpaint: bool,
+    sizes: list[str],
+    steps: int = 4,
+    max_sequence_length: int = 32,
+    description: str = "",
+) -> WorkflowSpec:
+    """An SD3 image-to-image workflow on ``model`` (with ``inpaint``, the inpainting pipeline's),
+    taking :func:`~libs.models.common.edit_params` at the pipelines' default strength, 0.6."""
+    width, height = (int(x) for x in sizes[0].split("x"))
+    clip = SD3ClipEncoder(model, id="clip")
+    t5 = SD3T5Encoder(model, id="t5")
+    join = SD3JoinPromptEmbeds(model, id="join")
+    prepare: SD3InpaintLatents | SD3VaeEncode = (
+        SD3InpaintLatents(model, id="prepare") if inpaint else SD3VaeEncode(model, id="prepare")
+    )
+    transformer = SD3Transformer(model, id="transformer")
+    euler = SD3FlowMatchStep(model, id="euler")
+    blend = SD3InpaintBlend(model, id="blend")
+    # StableDiffusion3InpaintPipeline decodes without adding the VAE's shift_factor back
+    vae = SD3InpaintVaeDecode(model, id="vae") if inpaint else SD3VaeDecode(model, id="vae")
+    params = sd3_params(width=width, height=height, steps=steps, max_sequence_length=max_sequence_length)
+    params.update(edit_params(strength=0.6, inpaint=inpaint))
+    with Workflow(name, params=params, sizes=sizes, description=description) as wf:
+        clip()
+        t5()
+        join()
+        init = prepare()  # image (and mask), seed, height, width, num_inference_steps, strength
+
+        def denoise(step: Value, latents: Value) -> Value:
+            noise_pred = transformer(latents=latents)
+            latents = euler(noise_pred=noise_pred, latents=latents)
+            # image_latents, noise, init_mask: the preparation's, bound by name
+            return blend(latents=latents) if inpaint else latents
+
+        latents = wf.loop(
+            "num_inference_steps",
+            denoise,
+            id="denoise",
+            fraction="strength",
+            rounding="start",
+            latents=init.latents,
+        )
+        wf.output("image", vae(latents=latents))
+    return wf.spec()

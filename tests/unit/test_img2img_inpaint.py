@@ -14,6 +14,7 @@ from PIL import Image
 
 from libs.workflow.dag import unroll
 from libs.workflow.local import LocalRunner
+from libs.workflow.modelfn import ModelFn
 from libs.workflow.params import resolve_params
 from tests.unit.model_families import INIT, MASK, Harness, Result, harness
 
@@ -28,6 +29,8 @@ WORKFLOWS = {
     "tiny-sd15-inpaint": ("sd", "StableDiffusionInpaintPipeline", "sd.unet"),
     "tiny-flux-img2img": ("flux", "FluxImg2ImgPipeline", "flux.transformer"),
     "tiny-flux-inpaint": ("flux", "FluxInpaintPipeline", "flux.transformer"),
+    "tiny-sd3-img2img": ("sd3", "StableDiffusion3Img2ImgPipeline", "sd3.transformer"),
+    "tiny-sd3-inpaint": ("sd3", "StableDiffusion3InpaintPipeline", "sd3.transformer"),
 }
 
 
@@ -67,18 +70,20 @@ def pipeline(h: Harness, cls_name: str) -> Any:
 
 
 def recording_runner(h: Harness) -> tuple[LocalRunner, list[torch.Tensor]]:
-    """A runner whose VAE decode records the latents it gets (the workflow's final latents)."""
+    """A runner whose VAE decoders record the latents they get (the workflow's final latents)."""
     if h.family not in _RUNNERS:
         decoded: list[torch.Tensor] = []
-        base = h.classes()[f"{h.family}.vae_decode"]
 
-        class Recording(base):  # type: ignore[valid-type,misc]
-            def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
-                decoded.append(inputs["latents"])
-                return super().execute(components, **inputs)
+        def recording(base: type[ModelFn]) -> type[ModelFn]:
+            class Recording(base):  # type: ignore[valid-type,misc]
+                def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
+                    decoded.append(inputs["latents"])
+                    return super().execute(components, **inputs)
 
-        runner = LocalRunner(h.root, classes=h.classes(**{f"{h.family}.vae_decode": Recording}))
-        _RUNNERS[h.family] = (runner, decoded)
+            return Recording
+
+        decoders = {n: recording(c) for n, c in h.classes().items() if n.endswith("vae_decode")}
+        _RUNNERS[h.family] = (LocalRunner(h.root, classes=h.classes(**decoders)), decoded)
     return _RUNNERS[h.family]
 
 
@@ -98,8 +103,9 @@ def pipeline_kwargs(family: str, workflow: str, params: dict[str, Any]) -> dict[
         num_inference_steps=params["num_inference_steps"],
         guidance_scale=params["guidance_scale"],
     )
-    if family == "sd":
+    if family in ("sd", "sd3"):
         kwargs["negative_prompt"] = params["negative_prompt"]
+    if family == "sd":
         if "mask" in params:  # the img2img pipeline takes no size: the picture's, rounded down
             kwargs.update(height=params["height"], width=params["width"])
     else:
@@ -150,6 +156,14 @@ CASES = [
     pytest.param(
         "tiny-flux-inpaint", dict(num_inference_steps=3, strength=1.0, width=64), id="flux-inpaint-1.0-64x64"
     ),
+    pytest.param("tiny-sd3-img2img", dict(num_inference_steps=4, strength=0.6), id="sd3-img2img-0.6"),
+    pytest.param(
+        "tiny-sd3-img2img",
+        dict(num_inference_steps=3, strength=1.0, width=128, guidance_scale=1.0),
+        id="sd3-img2img-1.0-128x64-no-cfg",
+    ),
+    pytest.param("tiny-sd3-inpaint", dict(num_inference_steps=5, strength=0.6), id="sd3-inpaint-0.6"),
+    pytest.param("tiny-sd3-inpaint", dict(num_inference_steps=3, strength=1.0, seed=4), id="sd3-inpaint-1.0"),
 ]
 
 
