@@ -16,7 +16,7 @@ needed; as the NATS admin user in compose):
   entries separated by spaces or ``;``; FAMILY is one of flux, sd, sd3, sana, flux2 (Flux.2 Klein;
   its defaults are ``Flux2KleinPipeline``'s, so a step-distilled checkpoint wants ``steps=4``),
   zimage (Z-Image; ``ZImagePipeline``'s defaults, base Z-Image's: Turbo wants
-  ``steps=8&guidance=0``);
+  ``steps=8&guidance=0``), qwenimage (``QwenImagePipeline``'s defaults, true CFG at 4);
 * every ``*.json`` spec in ``--specs DIR`` (what ``libs.sdk`` / ``t2i register`` send).
 
 Registering is idempotent (an unchanged spec keeps its version), so it runs at every ``up``. It
@@ -44,6 +44,7 @@ DEFAULTS = {
     "sana": ("1024x1024", 20, 300),
     "flux2": ("1024x1024", 50, 512),
     "zimage": ("1024x1024", 50, 512),
+    "qwenimage": ("1024x1024", 50, 512),
 }
 
 
@@ -94,6 +95,12 @@ class Entry:
             raise EntryError(f"{self.name}: guidance= applies to flux, flux2 and zimage workflows only")
         if self.family == "sd":
             return sd_workflows.sd_workflow(self.name, self.model, **kw)
+        if self.family == "qwenimage":
+            from libs.models import qwenimage_workflows
+
+            return qwenimage_workflows.qwenimage_workflow(
+                self.name, self.model, max_sequence_length=self.max_sequence_length, **kw
+            )
         if self.family == "sd3":
             return sd3_workflows.sd3_workflow(
                 self.name, self.model, max_sequence_length=self.max_sequence_length, **kw

@@ -81,6 +81,7 @@ FAMILIES: dict[str, Family] = {
         Family("sana", "tiny-sana-style", (("cuda", "bfloat16"),), ("Sana",)),
         Family("zimage", "tiny-zimage-style", (("cuda", "bfloat16"),), ("ZImage",)),
         Family("flux2", "tiny-flux2-style", (("cuda", "bfloat16"),), ("Flux2",)),
+        Family("qwenimage", "tiny-qwenimage-style", (("cuda", "bfloat16"),), ("QwenImage",)),
     )
 }
 

@@ -67,6 +67,14 @@ def stack(broker_urls, tmp_path_factory) -> Iterator[Stack]:
         )
         status, body = s.http("POST", "/v1/workflows", spec, key="sk-ops")
         assert status == 201, body
+        edit = json.loads(
+            encode_spec(sim_workflow("console-edit", "console", steps=2, description="an editor"))
+        )
+        edit["params"]["image"] = {"type": "image", "required": True}
+        edit["params"]["mask"] = {"type": "image"}
+        edit["params"]["strength"] = {"type": "float", "default": 0.8, "minimum": 0, "maximum": 1}
+        status, body = s.http("POST", "/v1/workflows", edit, key="sk-ops")
+        assert status == 201, body
         yield s
 
 
@@ -192,10 +200,39 @@ def test_a_generation_from_the_playground_completes_and_shows(stack, page):
     assert not [e for e in page.errors if "404" not in e], page.errors  # type: ignore[attr-defined]
 
 
+def test_an_edit_from_the_playground_uploads_the_image_and_mask(stack, page, tmp_path):
+    from PIL import Image
+
+    Image.new("RGB", (32, 32), "red").save(tmp_path / "in.png")
+    Image.new("RGBA", (32, 32), (0, 0, 0, 0)).save(tmp_path / "mask.png")
+    posted: list[str] = []
+    page.on("request", lambda r: posted.append(r.url) if r.method == "POST" else None)
+    page.goto(stack.url + "/console")
+    use_key(page, "sk-alice")
+    page.wait_for_selector("#workflow option[value='console-edit']", state="attached")
+    page.select_option("#workflow", "console-wf")
+    assert page.is_hidden("#edit-image")  # a workflow that takes no image: no upload shown
+    page.select_option("#workflow", "console-edit")
+    page.wait_for_selector("#edit-image", state="visible")
+    page.set_input_files("#edit-image", str(tmp_path / "in.png"))
+    page.set_input_files("#edit-mask", str(tmp_path / "mask.png"))
+    page.fill("#strength", "0.5")
+    page.fill("#prompt", "a hat")
+    page.click("#generate")
+    page.wait_for_selector(
+        ",".join(f"#status[data-status={s}]" for s in ("succeeded", "failed", "cancelled"))
+    )
+    assert page.text_content("#status") == "succeeded", page.text_content("#error")
+    assert page.eval_on_selector("#images img", "img => img.complete && img.naturalWidth") > 0
+    assert any(u.endswith("/v1/images/edits") for u in posted), posted
+    assert not page.errors, page.errors  # type: ignore[attr-defined]
+
+
 def test_cancel_from_the_playground_stops_the_call(stack, page):
     page.goto(stack.url + "/console")
     use_key(page, "sk-alice")
     page.wait_for_selector("#workflow option[value='console-wf']", state="attached")
+    page.select_option("#workflow", "console-wf")
     page.fill("#prompt", "a long one")
     page.fill("#steps", "60")  # 15 s of denoising: cancelled long before it ends
     page.click("#generate")

@@ -803,9 +803,113 @@ def flux2_pipeline_result(pipe: Any, params: dict[str, Any]) -> Result:
     return Result(np.array(image), final[0])
 
 
+# -- Qwen-Image ----------------------------------------------------------------------------------------
+
+
+class QwenImage(Harness):
+    family, base, denoiser = "qwenimage", "tiny-qwenimage", "qwenimage.transformer"
+    cases = [
+        ("tiny-qwenimage", {}, "base-64x96-true-cfg"),
+        ("tiny-qwenimage", dict(height=128, width=64, seed=7, true_cfg_scale=1.0), "base-128x64-no-cfg"),
+        ("tiny-qwenimage", dict(seed=2, max_sequence_length=8, negative_prompt=""), "base-truncated-prompt"),
+        ("tiny-qwenimage-lora", dict(lora_scale=0.8), "lora-scale-0.8"),
+        ("tiny-qwenimage-edit", {}, "edit-64x64-true-cfg"),
+        (
+            "tiny-qwenimage-edit",
+            dict(height=64, width=96, seed=5, true_cfg_scale=1.0, num_inference_steps=2),
+            "edit-64x96-no-cfg",
+        ),
+    ]
+    mid_forward = None  # QwenImageControlNetPipeline is not mirrored
+
+    def __init__(self, root: Path) -> None:
+        self.decoded: list[torch.Tensor] = []  # the latents every qwenimage.vae_decode received
+        super().__init__(root)
+        self._pipes: dict[tuple[str, bool], Any] = {}
+
+    def classes(self, **replace: type[ModelFn]) -> dict[str, type[ModelFn]]:
+        from libs.models.qwenimage import QwenImageVaeDecode
+
+        decoded = self.decoded
+
+        class RecordingVaeDecode(QwenImageVaeDecode):
+            def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
+                decoded.append(inputs["latents"])
+                return super().execute(components, **inputs)
+
+        return super().classes(**{"qwenimage.vae_decode": RecordingVaeDecode, **replace})
+
+    def pipeline(self, model: str, lora: bool) -> Any:
+        """The monolithic pipeline on the folder ``model`` (the edit folder: ``QwenImageEditPipeline``
+        with its VL processor), with the family's LoRA loaded the pipeline's way, kept across requests."""
+        key = (model, lora)
+        if key not in self._pipes:
+            from diffusers import QwenImageEditPipeline, QwenImagePipeline
+
+            from libs.models.qwenimage import vl_processor
+
+            if model == "tiny-qwenimage-edit":
+                path = self.paths[model]
+                pipe = QwenImageEditPipeline.from_pretrained(path, processor=vl_processor(str(path)))
+            else:
+                pipe = QwenImagePipeline.from_pretrained(self.paths[model])
+            pipe.set_progress_bar_config(disable=True)
+            if lora:
+                pipe.load_lora_weights(self.loras[STYLE], adapter_name=STYLE)
+            self._pipes[key] = pipe
+        return self._pipes[key]
+
+    def base_request(self, workflow: str) -> dict[str, Any]:
+        """64x96 (not square; the edit 64x64), 3 steps, true CFG, seed 11."""
+        params: dict[str, Any] = dict(
+            prompt=PROMPT, negative_prompt=NEGATIVE, height=64, width=96, seed=11, num_inference_steps=3
+        )
+        if "edit" in workflow:
+            params.update(width=64, prompt="make the cat blue")
+        return {**params, "lora_scale": 0.7}
+
+    def control_image(self) -> Image.Image:
+        # No workflow takes it (no ControlNet variant); Harness.run hands every run one.
+        return Image.new("RGB", (16, 16))
+
+    def edit_image(self) -> Image.Image:
+        """The edit's input picture (``image`` = INIT): neither the output size nor its aspect
+        ratio, as the pipeline resizes it."""
+        pixels = np.random.default_rng(3).integers(0, 256, (60, 84, 3), dtype=np.uint8)
+        return Image.fromarray(pixels, "RGB")
+
+    def run(self, runner: LocalRunner, workflow: str, params: dict[str, Any], **images: Any) -> Result:
+        image = super().run(runner, workflow, params, **{INIT: self.edit_image(), **images}).image
+        return Result(image, self.decoded[-1])
+
+    def reference(self, workflow: str, params: dict[str, Any]) -> Result:
+        edit = "image" in params
+        lora = bool(params.get("lora"))
+        pipe = self.pipeline("tiny-qwenimage-edit" if edit else "tiny-qwenimage", lora)
+        if lora:
+            pipe.set_adapters([STYLE], [params.get("lora_scale", 1.0)])  # what LoraSwitch does
+        kwargs: dict[str, Any] = {"image": self.edit_image()} if edit else {}
+        outputs = [
+            pipe(
+                prompt=params["prompt"],
+                negative_prompt=params["negative_prompt"],
+                true_cfg_scale=params["true_cfg_scale"],
+                height=params["height"],
+                width=params["width"],
+                num_inference_steps=params["num_inference_steps"],
+                generator=torch.Generator().manual_seed(params["seed"]),
+                max_sequence_length=params["max_sequence_length"],
+                output_type=output_type,
+                **kwargs,
+            ).images
+            for output_type in ("pil", "latent")
+        ]
+        return Result(np.array(outputs[0][0]), outputs[1])
+
+
 # -- one harness per family, built once per session ----------------------------------------------------
 
-HARNESSES: dict[str, type[Harness]] = {h.family: h for h in (Flux, Sd, Sd3, Sana, ZImage, Flux2)}
+HARNESSES: dict[str, type[Harness]] = {h.family: h for h in (Flux, Sd, Sd3, Sana, ZImage, Flux2, QwenImage)}
 FAMILIES = list(HARNESSES)
 assert FAMILIES == list(families.FAMILIES), "a harness per family, in the catalog's order"
 _BUILT: dict[str, Harness] = {}

@@ -49,21 +49,18 @@ WORKFLOWS = {
         *("tiny-sd15", "tiny-sd15-controlnet", "tiny-sd15-lora", "tiny-sd15-controlnet-lora"),
         *("tiny-sd15-img2img", "tiny-sd15-inpaint"),
     ],
-    "sd3": [
-        *("tiny-sd3", "tiny-sd3-controlnet", "tiny-sd3-lora", "tiny-sd3-controlnet-lora"),
-        *("tiny-sd3-img2img", "tiny-sd3-inpaint"),
-    ],
+    "sd3": ["tiny-sd3", "tiny-sd3-controlnet", "tiny-sd3-lora", "tiny-sd3-controlnet-lora"],
     "sana": ["tiny-sana", "tiny-sana-controlnet", "tiny-sana-lora", "tiny-sana-controlnet-lora"],
     "zimage": [
         f"tiny-zimage{v}{s}" for v in ("", "-turbo") for s in ("", "-controlnet", "-lora", "-controlnet-lora")
     ],
     "flux2": ["tiny-flux2-klein", "tiny-flux2-klein-lora"],
+    "qwenimage": ["tiny-qwenimage", "tiny-qwenimage-lora", "tiny-qwenimage-edit"],
 }
 # The ModelFns only the img2img and inpaint pipelines have: in libs.models.{family}_img2img.
 IMG2IMG_FNS = {
     "flux": {"flux.vae_encode", "flux.inpaint_latents", "flux.inpaint_blend"},
     "sd": {"sd.vae_encode", "sd.inpaint_latents", "sd.inpaint_blend"},
-    "sd3": {"sd3.vae_encode", "sd3.inpaint_latents", "sd3.inpaint_blend", "sd3.inpaint_vae_decode"},
 }
 # The ModelFns only the ControlNet pipeline has: in libs.models.{family}_controlnet.
 CONTROLNET_FNS = {
@@ -73,6 +70,7 @@ CONTROLNET_FNS = {
     "sana": {"sana.control_encode", "sana.controlnet"},
     "zimage": {"zimage.control_encode", "zimage.controlnet"},
     "flux2": set(),  # diffusers has no Flux.2 Klein ControlNet pipeline
+    "qwenimage": set(),  # QwenImageControlNetPipeline is not mirrored
 }
 
 
@@ -127,6 +125,7 @@ def test_the_catalog_is_every_familys_workflows_and_loras() -> None:
         "tiny-sana-style": "loras/tiny-sana-style.safetensors",
         "tiny-zimage-style": "loras/tiny-zimage-style.safetensors",
         "tiny-flux2-style": "loras/tiny-flux2-style.safetensors",
+        "tiny-qwenimage-style": "loras/tiny-qwenimage-style.safetensors",
     }
 
 

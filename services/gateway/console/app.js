@@ -38,6 +38,20 @@
     if (!resp.ok) throw new ApiError(resp.status, data);
     return { status: resp.status, data, headers: resp.headers };
   }
+  // A multipart form call (an edit): the browser sets the Content-Type with its boundary.
+  async function apiForm(path, form, headers) {
+    const h = Object.assign({ Authorization: `Bearer ${state.key}` }, headers || {});
+    const resp = await fetch(path, { method: "POST", headers: h, body: form });
+    const text = await resp.text();
+    let data = null;
+    try {
+      data = text ? JSON.parse(text) : null;
+    } catch (e) {
+      data = { error: { message: text.slice(0, 300) } };
+    }
+    if (!resp.ok) throw new ApiError(resp.status, data);
+    return { status: resp.status, data, headers: resp.headers };
+  }
   window.T2IDag.setFetcher((path) => api("GET", path));
 
   // Reads a text/event-stream response body, calling onEvent({id, event, data}) per event.
@@ -209,6 +223,7 @@
       if (params.has(name) && v !== "") body[name] = Number.parseInt(v, 10);
     }
     if (params.has("guidance_scale") && $("guidance").value !== "") body.guidance_scale = Number($("guidance").value);
+    if (params.has("strength") && $("strength").value !== "") body.strength = Number($("strength").value);
     const extra = $("extra").value.trim();
     if (extra) {
       let parsed;
@@ -271,6 +286,22 @@
     }
   }
 
+  // A generation, or an edit when the workflow takes an image and one was picked (its file, and
+  // the mask's, fill the workflow's image and mask parameters: POST /v1/images/edits).
+  function submit(body) {
+    const wf = state.workflows.find((w) => w.name === body.model);
+    const picture = $("edit-image").files[0];
+    if (!wf || !wf.params.includes("image") || !picture) {
+      return api("POST", "/v1/images/generations", body, { Prefer: "respond-async" });
+    }
+    const form = new FormData();
+    for (const [k, v] of Object.entries(body)) form.append(k, typeof v === "object" ? JSON.stringify(v) : String(v));
+    form.append("image", picture, picture.name);
+    const mask = $("edit-mask").files[0];
+    if (mask && wf.params.includes("mask")) form.append("mask", mask, mask.name);
+    return apiForm("/v1/images/edits", form, { Prefer: "respond-async" });
+  }
+
   async function generate(ev) {
     ev.preventDefault();
     if (state.run && state.run.abort) state.run.abort.abort();
@@ -290,7 +321,7 @@
     $("generate").disabled = true;
     setStatus("submitting");
     try {
-      const { data } = await api("POST", "/v1/images/generations", body, { Prefer: "respond-async" });
+      const { data } = await submit(body);
       run.id = data.id;
       $("gen-id").textContent = data.id;
       $("cancel").disabled = false;

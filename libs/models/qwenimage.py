@@ -1,0 +1,640 @@
+"""The Qwen-Image model family as ModelFns: diffusers' ``QwenImagePipeline.__call__`` and
+``QwenImageEditPipeline.__call__`` cut at their seams.
+
+Each class mirrors one stretch of ``diffusers/pipelines/qwenimage/pipeline_qwenimage.py`` or
+``pipeline_qwenimage_edit.py`` (diffusers 0.42.1) and runs it on its own, so a workflow of these
+nodes reproduces the monolithic pipelines' images bitwise. The family has no ControlNet nodes yet
+(:mod:`libs.models.qwenimage_controlnet` is empty).
+
+===============================  ================================================================
+ModelFn (``fn_name``)            what it mirrors
+===============================  ================================================================
+``qwenimage.text_encoder``       ``encode_prompt`` + ``_get_qwen_prompt_embeds`` (Qwen2.5-VL used as
+                                 an encoder: last hidden state, template tokens dropped), prompt and
+                                 negative prompt
+``qwenimage.edit_text_encoder``  the edit pipeline's ``encode_prompt``: the VL processor with the
+                                 input image resized by step 3
+``qwenimage.edit_image_encode``  the edit pipeline's step 3 (``calculate_dimensions`` resize rule,
+                                 ``preprocess``) and the image half of ``prepare_latents``
+                                 (``_encode_vae_image``: argmax latents, mean/std, packing)
+``qwenimage.prepare_latents``    step 4 ``prepare_latents`` (noise, 2x2 packing) and step 5 (sigmas,
+                                 ``calculate_shift``'s ``mu``, ``retrieve_timesteps``)
+``qwenimage.transformer``        the loop body up to ``noise_pred``: the conditional pass, the
+                                 unconditional one and the true-CFG combination with its norm
+                                 rescaling; with ``image_latents`` bound, the edit's concatenation
+``qwenimage.scheduler_step``     the loop's ``self.scheduler.step(noise_pred, t, latents)``, stateless
+``qwenimage.vae_decode``         the tail: ``_unpack_latents`` (5-D), latents mean/std, ``decode``
+===============================  ================================================================
+
+The denoising loop is the workflow's. Batch size and ``num_images_per_prompt`` are 1; user-supplied
+embeddings/latents, custom ``sigmas``, callbacks and guidance-distilled transformers
+(``guidance_embeds``, refused at load) are not mirrored. Decisions as the pipelines take them:
+
+* True CFG iff ``true_cfg_scale > 1`` and a negative prompt is given (``do_true_cfg``). A workflow
+  always passes its ``negative_prompt`` (default ``""``), so here it is ``true_cfg_scale > 1``; the
+  text encoder leaves the negative embeddings empty otherwise.
+* ``encode_prompt`` drops a mask of all ones (``prompt_embeds_mask = None``), which a single prompt
+  always has; the nodes carry the mask and the transformer applies that rule.
+* ``max_sequence_length`` truncates the prompt embeddings in ``QwenImagePipeline.encode_prompt``
+  only; the edit pipeline's ``encode_prompt`` ignores it (checked, at most 1024, by both).
+* The edit: the input image is resized to ``calculate_dimensions(1024 * 1024, w / h)`` (a 1024x1024
+  area at its aspect ratio, multiples of 32) for both the VL prompt and the VAE, whatever the output
+  size; its packed latents follow the noise in the transformer's sequence and
+  ``img_shapes`` lists both grids. The output ``height``/``width`` are the request's (the
+  pipeline's default, the input's resized size, is not offered).
+
+Stateless scheduler step: ``FlowMatchEulerDiscreteScheduler``'s sigmas are a function of
+``(num_inference_steps, mu)`` and ``mu`` of the packed sequence length ``latents.shape[1]``, so
+``qwenimage.scheduler_step`` rebuilds a fresh scheduler per call with step 5's ``set_timesteps``
+arguments, checks the carried ``timesteps`` and pins ``set_begin_index(step)``.
+
+LoRA. ``qwenimage.transformer`` takes ``lora`` (a safetensors path, "" = none) and ``lora_scale``;
+a :class:`~libs.models.lora.LoraSwitch` loads adapters as ``QwenImageLoraLoaderMixin
+.load_lora_weights`` does (its ``lora_state_dict``, the file's adapter metadata, no network alphas)
+and sets the scale with ``set_adapters``, never fusing.
+
+Loading (:mod:`libs.models.qwenimage_loading`): the transformer's RoPE tables are recomputed on the
+CPU (they are no checkpoint tensors), and the edit's VL processor is built without its video half
+where torchvision is missing.
+
+Dtypes follow the pipelines as loaded by ``from_pretrained`` without ``torch_dtype``: the noise and
+the VAE input image take the text encoder's dtype (``prompt_embeds.dtype``), read from its config.
+Noise is drawn on the CPU from ``torch.Generator("cpu").manual_seed(seed)``, its only draw (the
+edit's VAE encoding takes the latent distribution's mode and draws nothing).
+
+No torch, diffusers or transformers at import time; ``load_model`` puts models on its ``device``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from libs.models.common import (
+    calculate_shift,
+    config_dtype,
+    load_component,
+    run_dtype,
+    to_uint8_image,
+    with_loads,
+)
+from libs.models.lora import LoraSwitch
+from libs.models.qwenimage_loading import rope_tables_on_cpu, vl_processor
+from libs.workflow.modelfn import ModelFn
+
+if TYPE_CHECKING:
+    import torch
+
+
+# -- helpers -------------------------------------------------------------------------------------
+
+
+def _vae_scale_factor(vae_config: Any) -> int:
+    # QwenImagePipeline.__init__: 2 ** len(vae.temperal_downsample)
+    return int(2 ** len(vae_config["temperal_downsample"]))
+
+
+def _vae_config(model_path: str) -> dict[str, Any]:
+    from diffusers import AutoencoderKLQwenImage
+
+    return dict(AutoencoderKLQwenImage.load_config(model_path, subfolder="vae"))
+
+
+def _template(pipeline: str) -> tuple[str, int, int]:
+    """``prompt_template_encode``, ``prompt_template_encode_start_idx`` and ``tokenizer_max_length``
+    as the pipeline's ``__init__`` sets them (built without components: nothing is copied here)."""
+    import diffusers
+
+    components = dict.fromkeys(("scheduler", "vae", "text_encoder", "tokenizer", "transformer"))
+    if pipeline == "QwenImageEditPipeline":
+        components["processor"] = None
+    pipe = getattr(diffusers, pipeline)(**components)
+    return (
+        pipe.prompt_template_encode,
+        int(pipe.prompt_template_encode_start_idx),
+        int(pipe.tokenizer_max_length),
+    )
+
+
+def _check_max_sequence_length(value: Any) -> int:
+    n = int(value)
+    if not 1 <= n <= 1024:  # check_inputs
+        raise ValueError(f"`max_sequence_length` must be in [1, 1024] but is {n}")
+    return n
+
+
+def _do_true_cfg(true_cfg_scale: Any) -> bool:
+    # do_true_cfg = true_cfg_scale > 1 and has_neg_prompt (workflows always pass a negative prompt)
+    return float(true_cfg_scale) > 1
+
+
+def _latent_size(height: int, width: int, vae_scale_factor: int) -> tuple[int, int]:
+    # prepare_latents / _unpack_latents: packing needs an even latent height and width
+    return 2 * (int(height) // (vae_scale_factor * 2)), 2 * (int(width) // (vae_scale_factor * 2))
+
+
+def _pack_latents(latents: torch.Tensor, channels: int, height: int, width: int) -> torch.Tensor:
+    """``_pack_latents``: [1, 1, C, H, W] -> [1, (H/2)*(W/2), 4C], each 2x2 patch one token."""
+    latents = latents.view(1, channels, height // 2, 2, width // 2, 2)
+    latents = latents.permute(0, 2, 4, 1, 3, 5)
+    return latents.reshape(1, (height // 2) * (width // 2), channels * 4)
+
+
+def _unpack_latents(latents: torch.Tensor, height: int, width: int, vae_scale_factor: int) -> torch.Tensor:
+    """``_unpack_latents``: back to the 5-D [1, C, 1, H, W] the VAE decodes."""
+    b, _, channels = latents.shape
+    lh, lw = _latent_size(height, width, vae_scale_factor)
+    latents = latents.view(b, lh // 2, lw // 2, channels // 4, 2, 2)
+    latents = latents.permute(0, 3, 1, 4, 2, 5)
+    return latents.reshape(b, channels // (2 * 2), 1, lh, lw)
+
+
+def _latents_stats(vae_config: Any, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``latents_mean`` and ``latents_std`` as [1, z, 1, 1, 1] on ``like``'s device and dtype."""
+    import torch
+
+    z = int(vae_config["z_dim"])
+    mean = torch.tensor(vae_config["latents_mean"]).view(1, z, 1, 1, 1).to(like.device, like.dtype)
+    std = torch.tensor(vae_config["latents_std"]).view(1, z, 1, 1, 1).to(like.device, like.dtype)
+    return mean, std
+
+
+def _set_timesteps(scheduler: Any, num_inference_steps: int, image_seq_len: int, device: Any) -> None:
+    """Step 5: sigmas ``linspace(1, 1/n, n)``, ``mu`` from the packed sequence length, then
+    ``retrieve_timesteps``' sigmas branch."""
+    import numpy as np
+
+    n = int(num_inference_steps)
+    config = scheduler.config
+    mu = calculate_shift(
+        image_seq_len,
+        config.get("base_image_seq_len", 256),
+        config.get("max_image_seq_len", 4096),
+        config.get("base_shift", 0.5),
+        config.get("max_shift", 1.15),
+    )
+    scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / n, n), device=device, mu=mu)
+
+
+def _scheduler(config: dict[str, Any]) -> Any:
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    scheduler = FlowMatchEulerDiscreteScheduler.from_config(config)
+    if scheduler.config.get("stochastic_sampling", False):
+        raise ValueError("qwenimage: stochastic_sampling draws from the generator; not supported")
+    return scheduler
+
+
+def calculate_dimensions(target_area: float, ratio: float) -> tuple[int, int]:
+    """The edit pipeline's resize rule: (width, height) of ``target_area`` pixels at aspect ratio
+    ``ratio`` (w / h), each rounded to a multiple of 32 (``calculate_dimensions``, same operations)."""
+    import math
+
+    width = math.sqrt(target_area * ratio)
+    height = width / ratio
+    return round(width / 32) * 32, round(height / 32) * 32
+
+
+def _edit_size(image: Any) -> tuple[int, int]:
+    """(calculated_height, calculated_width) of the edit's input image (``__call__``'s first line)."""
+    width, height = calculate_dimensions(1024 * 1024, image.size[0] / image.size[1])
+    return height, width
+
+
+def _masked_embeds(hidden_states: torch.Tensor, mask: torch.Tensor, drop_idx: int) -> torch.Tensor:
+    """``_extract_masked_hidden`` then the template drop, for one prompt."""
+    import torch
+
+    bool_mask = mask.bool()
+    (kept,) = torch.split(hidden_states[bool_mask], bool_mask.sum(dim=1).tolist(), dim=0)
+    return kept[drop_idx:]
+
+
+def _embeds_and_mask(kept: torch.Tensor, dtype: Any, device: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stack/pad tail of ``_get_qwen_prompt_embeds`` for one prompt: [1, L, D] and its mask."""
+    import torch
+
+    embeds = torch.stack([kept]).to(dtype=dtype, device=device)
+    mask = torch.stack([torch.ones(kept.size(0), dtype=torch.long, device=kept.device)])
+    return embeds, mask
+
+
+def _empty_embeds(like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    import torch
+
+    return like.new_zeros((1, 0, like.shape[-1])), torch.zeros((1, 0), dtype=torch.long)
+
+
+def _lora_loader(path: str) -> tuple[dict[str, Any], str, dict[str, Any]]:
+    """``QwenImageLoraLoaderMixin.load_lora_weights``' reading of a file, for ``LoraSwitch``."""
+    from diffusers import QwenImagePipeline
+
+    state_dict, metadata = QwenImagePipeline.lora_state_dict(path, return_lora_metadata=True)
+    if not all("lora" in key for key in state_dict):
+        raise ValueError(
+            "Invalid LoRA checkpoint. Make sure all LoRA param names contain `'lora'` substring."
+        )
+    # load_lora_into_transformer: network_alphas=None, the metadata, low_cpu_mem_usage as defaulted
+    return state_dict, "transformer", dict(network_alphas=None, metadata=metadata, low_cpu_mem_usage=True)
+
+
+# -- the ModelFns --------------------------------------------------------------------------------
+
+
+class QwenImageTextEncoder(ModelFn):
+    """Qwen2.5-VL prompt encoding (``QwenImagePipeline.encode_prompt``): ``prompt_embeds`` [1, L, D],
+    ``prompt_embeds_mask`` [1, L] and the negative prompt's (empty [1, 0, ...] without true CFG)."""
+
+    fn_name = "qwenimage.text_encoder"
+    pipeline = "QwenImagePipeline"
+
+    def setup_io(self) -> None:
+        self.add_input("prompt")
+        self.add_input("negative_prompt")
+        self.add_input("true_cfg_scale")
+        self.add_input("max_sequence_length")
+        self.add_output("prompt_embeds")
+        self.add_output("prompt_embeds_mask")
+        self.add_output("negative_prompt_embeds")
+        self.add_output("negative_prompt_embeds_mask")
+
+    def load_model(self, model_path: str, device: str, loader: Any = None) -> dict[str, Any]:
+        from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
+
+        template, drop_idx, tokenizer_max_length = _template(self.pipeline)
+        return with_loads(
+            {
+                "tokenizer": AutoTokenizer.from_pretrained(model_path, subfolder="tokenizer"),
+                "text_encoder": load_component(
+                    Qwen2_5_VLForConditionalGeneration, model_path, "text_encoder", device, loader
+                ),
+                "template": template,
+                "drop_idx": drop_idx,
+                "tokenizer_max_length": tokenizer_max_length,
+            }
+        )
+
+    def _encode(self, components: dict[str, Any], prompt: str, max_length: int, image: Any) -> Any:
+        """``_get_qwen_prompt_embeds`` then ``encode_prompt``'s truncation."""
+        tokenizer, text_encoder = components["tokenizer"], components["text_encoder"]
+        drop_idx = components["drop_idx"]
+        txt = [components["template"].format(prompt)]
+        tokens = tokenizer(
+            txt,
+            max_length=components["tokenizer_max_length"] + drop_idx,
+            padding=True,
+            truncation=True,
+            return_tensors="pt",
+        ).to(text_encoder.device)
+        out = text_encoder(
+            input_ids=tokens.input_ids, attention_mask=tokens.attention_mask, output_hidden_states=True
+        )
+        kept = _masked_embeds(out.hidden_states[-1], tokens.attention_mask, drop_idx)
+        embeds, mask = _embeds_and_mask(kept, text_encoder.dtype, text_encoder.device)
+        return embeds[:, :max_length], mask[:, :max_length]
+
+    def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
+        import torch
+
+        max_length = _check_max_sequence_length(inputs["max_sequence_length"])
+        image = inputs.get("image")
+        with torch.no_grad():
+            embeds, mask = self._encode(components, str(inputs["prompt"]), max_length, image)
+            if _do_true_cfg(inputs["true_cfg_scale"]):
+                negative = str(inputs.get("negative_prompt") or "")
+                neg_embeds, neg_mask = self._encode(components, negative, max_length, image)
+            else:
+                neg_embeds, neg_mask = _empty_embeds(embeds)
+        return {
+            "prompt_embeds": embeds,
+            "prompt_embeds_mask": mask,
+            "negative_prompt_embeds": neg_embeds,
+            "negative_prompt_embeds_mask": neg_mask,
+        }
+
+
+class QwenImageEditTextEncoder(QwenImageTextEncoder):
+    """The edit's VL prompt encoding (``QwenImageEditPipeline.encode_prompt``): the prompt with the
+    input ``image`` (resized by the edit's rule) through the VL processor; no truncation."""
+
+    fn_name = "qwenimage.edit_text_encoder"
+    pipeline = "QwenImageEditPipeline"
+
+    def setup_io(self) -> None:
+        super().setup_io()
+        self.add_input("image")
+
+    def load_model(self, model_path: str, device: str, loader: Any = None) -> dict[str, Any]:
+        from diffusers.image_processor import VaeImageProcessor
+
+        components = super().load_model(model_path, device, loader)
+        components["processor"] = vl_processor(model_path)
+        factor = _vae_scale_factor(_vae_config(model_path))
+        components["image_processor"] = VaeImageProcessor(vae_scale_factor=factor * 2)
+        return components
+
+    def _encode(self, components: dict[str, Any], prompt: str, max_length: int, image: Any) -> Any:
+        text_encoder, drop_idx = components["text_encoder"], components["drop_idx"]
+        txt = [components["template"].format(prompt)]
+        inputs = components["processor"](text=txt, images=image, padding=True, return_tensors="pt").to(
+            text_encoder.device
+        )
+        out = text_encoder(
+            input_ids=inputs["input_ids"],
+            attention_mask=inputs["attention_mask"],
+            pixel_values=inputs.get("pixel_values"),
+            image_grid_thw=inputs.get("image_grid_thw"),
+            output_hidden_states=True,
+        )
+        kept = _masked_embeds(out.hidden_states[-1], inputs["attention_mask"], drop_idx)
+        return _embeds_and_mask(kept, text_encoder.dtype, text_encoder.device)
+
+    def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
+        image = inputs["image"]
+        height, width = _edit_size(image)
+        # step 3: prompt_image = image_processor.resize(image, calculated_height, calculated_width)
+        prompt_image = components["image_processor"].resize(image, height, width)
+        return super().execute(components, **{**inputs, "image": prompt_image})
+
+
+class QwenImageEditImageEncode(ModelFn):
+    """The edit's input image as packed latents: ``image_latents`` [1, seq, 4z] and ``image_shape``
+    (int64 [2]: the packed grid's height and width, ``img_shapes``' second entry)."""
+
+    fn_name = "qwenimage.edit_image_encode"
+
+    def setup_io(self) -> None:
+        self.add_input("image")
+        self.add_output("image_latents")
+        self.add_output("image_shape")
+
+    def load_model(self, model_path: str, device: str, loader: Any = None) -> dict[str, Any]:
+        from diffusers import AutoencoderKLQwenImage
+        from diffusers.image_processor import VaeImageProcessor
+
+        vae = load_component(AutoencoderKLQwenImage, model_path, "vae", device, loader)
+        factor = _vae_scale_factor(vae.config)
+        return with_loads(
+            {
+                "vae": vae,
+                "vae_scale_factor": factor,
+                "image_processor": VaeImageProcessor(vae_scale_factor=factor * 2),
+                # prepare_latents: image.to(dtype=prompt_embeds.dtype), the text encoder's
+                "dtype": config_dtype(model_path, "text_encoder", run_dtype(loader)),
+            }
+        )
+
+    def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
+        import torch
+        from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import retrieve_latents
+
+        vae, processor, factor = (
+            components["vae"],
+            components["image_processor"],
+            components["vae_scale_factor"],
+        )
+        image = inputs["image"]
+        height, width = _edit_size(image)
+        with torch.no_grad():
+            # 3. Preprocess image
+            image = processor.resize(image, height, width)
+            image = processor.preprocess(image, height, width).unsqueeze(2)
+            # 4. prepare_latents, the image half: _encode_vae_image (mode, no draw), then packing
+            image = image.to(device=vae.device, dtype=components["dtype"])
+            latents = retrieve_latents(vae.encode(image), sample_mode="argmax")
+            mean, std = _latents_stats(vae.config, latents)
+            latents = (latents - mean) / std
+            latents = torch.cat([latents], dim=0)
+            lh, lw = latents.shape[3:]
+            packed = _pack_latents(latents, latents.shape[1], lh, lw)
+            shape = torch.tensor([height // factor // 2, width // factor // 2], dtype=torch.int64)
+        return {"image_latents": packed, "image_shape": shape}
+
+
+class QwenImagePrepareLatents(ModelFn):
+    """Initial noise and schedule: ``latents`` [1, seq, 4C] (packed) and ``timesteps``. Configs only."""
+
+    fn_name = "qwenimage.prepare_latents"
+
+    def setup_io(self) -> None:
+        self.add_input("seed")
+        self.add_input("height")
+        self.add_input("width")
+        self.add_input("num_inference_steps")
+        self.add_output("latents")
+        self.add_output("timesteps")
+
+    def load_model(self, model_path: str, device: str, loader: Any = None) -> dict[str, Any]:
+        from diffusers import FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
+
+        transformer_config = QwenImageTransformer2DModel.load_config(model_path, subfolder="transformer")
+        return {
+            "num_channels_latents": int(transformer_config["in_channels"]) // 4,
+            "vae_scale_factor": _vae_scale_factor(_vae_config(model_path)),
+            "scheduler_config": FlowMatchEulerDiscreteScheduler.load_config(
+                model_path, subfolder="scheduler"
+            ),
+            # prepare_latents(..., prompt_embeds.dtype, ...): the text encoder's dtype
+            "dtype": config_dtype(model_path, "text_encoder", run_dtype(loader)),
+        }
+
+    def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
+        import torch
+        from diffusers.utils.torch_utils import randn_tensor
+
+        steps = int(inputs["num_inference_steps"])
+        if steps < 1:
+            raise ValueError(f"num_inference_steps must be at least 1, got {steps}")
+        height, width = _latent_size(inputs["height"], inputs["width"], components["vae_scale_factor"])
+        channels = components["num_channels_latents"]
+        with torch.no_grad():
+            # 4. prepare_latents: the generator's only draw, [1, 1, C, H, W], then packing
+            generator = torch.Generator(device="cpu").manual_seed(int(inputs["seed"]))
+            noise = randn_tensor(
+                (1, 1, channels, height, width),
+                generator=generator,
+                device=torch.device("cpu"),
+                dtype=components["dtype"],
+            )
+            latents = _pack_latents(noise, channels, height, width)
+            # 5. timesteps, on a scheduler of our own
+            scheduler = _scheduler(components["scheduler_config"])
+            _set_timesteps(scheduler, steps, latents.shape[1], device="cpu")
+        return {"latents": latents, "timesteps": scheduler.timesteps}
+
+
+class QwenImageTransformer(ModelFn):
+    """One denoising step with true CFG: ``noise_pred`` shaped like ``latents``. With the edit's
+    ``image_latents`` and ``image_shape`` bound, the image tokens follow the noise and are cut off
+    the prediction."""
+
+    fn_name = "qwenimage.transformer"
+
+    def setup_io(self) -> None:
+        self.add_input("latents")
+        self.add_input("timesteps")
+        self.add_input("step")
+        self.add_input("height")
+        self.add_input("width")
+        self.add_input("true_cfg_scale")
+        self.add_input("prompt_embeds")
+        self.add_input("prompt_embeds_mask")
+        self.add_input("negative_prompt_embeds")
+        self.add_input("negative_prompt_embeds_mask")
+        self.add_input("image_latents", optional=True)
+        self.add_input("image_shape", optional=True)
+        self.add_input("lora", optional=True)
+        self.add_input("lora_scale", optional=True)
+        self.add_output("noise_pred")
+
+    def load_model(self, model_path: str, device: str, loader: Any = None) -> dict[str, Any]:
+        from diffusers import QwenImageTransformer2DModel
+
+        with rope_tables_on_cpu():
+            transformer = load_component(
+                QwenImageTransformer2DModel, model_path, "transformer", device, loader
+            )
+        if transformer.config.guidance_embeds:
+            raise ValueError("qwenimage.transformer: guidance-distilled transformers are not supported")
+        factor = _vae_scale_factor(_vae_config(model_path))
+        return with_loads(
+            {
+                "transformer": transformer,
+                "vae_scale_factor": factor,
+                "lora": LoraSwitch(transformer, _lora_loader),
+            }
+        )
+
+    def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
+        import torch
+
+        transformer, factor = components["transformer"], components["vae_scale_factor"]
+        device = transformer.device
+        lora_scale = inputs.get("lora_scale")
+        components["lora"].use(inputs.get("lora") or None, 1.0 if lora_scale is None else float(lora_scale))
+        latents = inputs["latents"].to(device)
+        height, width = int(inputs["height"]), int(inputs["width"])
+        img_shapes = [(1, height // factor // 2, width // factor // 2)]
+        latent_model_input = latents
+        image_latents = inputs.get("image_latents")
+        if image_latents is not None:
+            latent_model_input = torch.cat([latents, image_latents.to(device)], dim=1)
+            ih, iw = (int(x) for x in inputs["image_shape"])
+            img_shapes.append((1, ih, iw))
+        true_cfg_scale = float(inputs["true_cfg_scale"])
+
+        def mask_of(mask: torch.Tensor) -> torch.Tensor | None:
+            return None if mask.all() else mask.to(device)  # encode_prompt drops an all-ones mask
+
+        with torch.no_grad():
+            # 6. Denoising loop body
+            t = inputs["timesteps"].to(device)[int(inputs["step"])]
+            timestep = t.expand(latents.shape[0]).to(latents.dtype)
+
+            def forward(embeds: torch.Tensor, mask: torch.Tensor, context: str) -> torch.Tensor:
+                with transformer.cache_context(context):
+                    out = transformer(
+                        hidden_states=latent_model_input,
+                        timestep=timestep / 1000,
+                        guidance=None,
+                        encoder_hidden_states_mask=mask_of(mask),
+                        encoder_hidden_states=embeds.to(device),
+                        img_shapes=[img_shapes],
+                        attention_kwargs={},
+                        return_dict=False,
+                    )[0]
+                return out[:, : latents.size(1)] if image_latents is not None else out
+
+            noise_pred = forward(inputs["prompt_embeds"], inputs["prompt_embeds_mask"], "cond")
+            if _do_true_cfg(true_cfg_scale):
+                neg = forward(
+                    inputs["negative_prompt_embeds"], inputs["negative_prompt_embeds_mask"], "uncond"
+                )
+                comb_pred = neg + true_cfg_scale * (noise_pred - neg)
+                cond_norm = torch.norm(noise_pred, dim=-1, keepdim=True)
+                noise_norm = torch.norm(comb_pred, dim=-1, keepdim=True)
+                noise_pred = comb_pred * (cond_norm / noise_norm)
+        return {"noise_pred": noise_pred}
+
+
+class QwenImageSchedulerStep(ModelFn):
+    """One flow-matching Euler step, stateless: ``latents`` of step ``step + 1``."""
+
+    fn_name = "qwenimage.scheduler_step"
+
+    def setup_io(self) -> None:
+        self.add_input("noise_pred")
+        self.add_input("latents")
+        self.add_input("timesteps")
+        self.add_input("step")
+        self.add_input("num_inference_steps")
+        self.add_output("latents")
+
+    def load_model(self, model_path: str, device: str, loader: Any = None) -> dict[str, Any]:
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        config = dict(FlowMatchEulerDiscreteScheduler.load_config(model_path, subfolder="scheduler"))
+        _scheduler(config)  # refuse a stochastic one at load time
+        return {"scheduler_config": config}
+
+    def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
+        import torch
+
+        latents = inputs["latents"]
+        noise_pred = inputs["noise_pred"].to(latents.device)
+        step, steps = int(inputs["step"]), int(inputs["num_inference_steps"])
+        with torch.no_grad():
+            scheduler = _scheduler(components["scheduler_config"])
+            _set_timesteps(scheduler, steps, latents.shape[1], device=latents.device)
+            timesteps = inputs["timesteps"].to(latents.device)
+            if not torch.equal(scheduler.timesteps, timesteps):
+                raise ValueError(
+                    f"timesteps do not match a {steps}-step schedule for {latents.shape[1]} latent tokens"
+                )
+            if not 0 <= step < len(timesteps):
+                raise ValueError(f"step {step} is outside the {len(timesteps)}-step schedule")
+            scheduler.set_begin_index(step)
+            # compute the previous noisy sample x_t -> x_t-1
+            latents = scheduler.step(noise_pred, timesteps[step], latents, return_dict=False)[0]
+        return {"latents": latents}
+
+
+class QwenImageVaeDecode(ModelFn):
+    """Latents to pixels (``AutoencoderKLQwenImage``, 5-D): ``image``, a uint8 [H, W, 3] tensor equal
+    to ``np.array`` of the pipeline's PIL image."""
+
+    fn_name = "qwenimage.vae_decode"
+
+    def setup_io(self) -> None:
+        self.add_input("latents")
+        self.add_input("height")
+        self.add_input("width")
+        self.add_output("image")
+
+    def load_model(self, model_path: str, device: str, loader: Any = None) -> dict[str, Any]:
+        from diffusers import AutoencoderKLQwenImage
+        from diffusers.image_processor import VaeImageProcessor
+
+        vae = load_component(AutoencoderKLQwenImage, model_path, "vae", device, loader)
+        factor = _vae_scale_factor(vae.config)
+        return with_loads(
+            {
+                "vae": vae,
+                "vae_scale_factor": factor,
+                "image_processor": VaeImageProcessor(vae_scale_factor=factor * 2),
+            }
+        )
+
+    def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
+        import torch
+
+        vae, image_processor = components["vae"], components["image_processor"]
+        with torch.no_grad():
+            # the tail of __call__
+            latents = _unpack_latents(
+                inputs["latents"], int(inputs["height"]), int(inputs["width"]), components["vae_scale_factor"]
+            )
+            latents = latents.to(device=vae.device, dtype=vae.dtype)
+            mean, std = _latents_stats(vae.config, latents)
+            latents = latents / (1.0 / std) + mean
+            image = vae.decode(latents, return_dict=False)[0][:, :, 0]
+            return {"image": to_uint8_image(image_processor, image)}

@@ -1,0 +1,140 @@
+"""Qwen-Image workflows, composed from the ``qwenimage.*`` ModelFns (the paper, §4, Fig. 7).
+
+* ``tiny-qwenimage``: the Qwen2.5-VL text encoder (prompt and negative prompt), latent
+  preparation, the transformer (both true-CFG passes and their combination in one node) then the
+  scheduler step once per denoising step, then the 5-D VAE decode.
+* ``tiny-qwenimage-lora``: the same with the ``lora`` and ``lora_scale`` parameters, which the
+  transformer binds by name.
+* ``tiny-qwenimage-edit``: ``QwenImageEditPipeline``, an instruction edit of the ``image``
+  parameter (the picture uploaded to ``/v1/images/edits``): the VL text encoder sees the prompt with
+  the image, ``qwenimage.edit_image_encode`` VAE-encodes the image once, and the transformer binds
+  its ``image_latents``/``image_shape`` by name and runs on the noise followed by them.
+
+There is no ControlNet variant (:mod:`libs.models.qwenimage_controlnet` is empty). Defaults are
+the pipelines' (``true_cfg_scale`` 4.0, ``max_sequence_length`` 512) except the tiny models' steps
+and sizes; ``negative_prompt`` defaults to ``""``, which the pipelines take as a negative prompt, so
+true CFG is on iff ``true_cfg_scale > 1``.
+
+This module imports no torch: composing only records names and references.
+"""
+
+from __future__ import annotations
+
+from libs.models.common import lora_params
+from libs.models.qwenimage import (
+    QwenImageEditImageEncode,
+    QwenImageEditTextEncoder,
+    QwenImagePrepareLatents,
+    QwenImageSchedulerStep,
+    QwenImageTextEncoder,
+    QwenImageTransformer,
+    QwenImageVaeDecode,
+)
+from libs.workflow.compose import Value, Workflow
+from libs.workflow.modelfn import ModelFn
+from libs.workflow.spec import ParamSpec, WorkflowSpec
+
+# Every Qwen-Image ModelFn (libs.models.qwenimage; libs.models.qwenimage_controlnet has none), for
+# the catalog (entry points) and tests.
+MODELFNS: list[type[ModelFn]] = [
+    QwenImageTextEncoder,
+    QwenImageEditTextEncoder,
+    QwenImageEditImageEncode,
+    QwenImagePrepareLatents,
+    QwenImageTransformer,
+    QwenImageSchedulerStep,
+    QwenImageVaeDecode,
+]
+
+TINY_SIZES = ["64x64", "96x64", "64x96", "128x128"]
+DESCRIPTION = "tiny Qwen-Image (random-weight Qwen2.5-VL encoder, MMDiT with true CFG, 3-D causal VAE)"
+EDIT_DESCRIPTION = "tiny Qwen-Image-Edit: an instruction edit of the input image"
+
+
+def qwenimage_params(
+    *, width: int, height: int, steps: int, max_sequence_length: int
+) -> dict[str, ParamSpec]:
+    """The parameters of the basic Qwen-Image workflow."""
+    return {
+        "prompt": ParamSpec(type="str", required=True, max_length=4000, description="what to draw"),
+        "negative_prompt": ParamSpec(type="str", default="", max_length=4000, description="what not to draw"),
+        "seed": ParamSpec(type="int", default=0, minimum=0, description="seed of the initial noise"),
+        "width": ParamSpec(type="int", default=width, minimum=16, maximum=4096),
+        "height": ParamSpec(type="int", default=height, minimum=16, maximum=4096),
+        "num_inference_steps": ParamSpec(type="int", default=steps, minimum=1, maximum=100),
+        "true_cfg_scale": ParamSpec(
+            type="float",
+            default=4.0,
+            minimum=0.0,
+            maximum=30.0,
+            description="true classifier-free guidance (two transformer passes) iff > 1",
+        ),
+        "max_sequence_length": ParamSpec(type="int", default=max_sequence_length, minimum=1, maximum=1024),
+    }
+
+
+def qwenimage_workflow(
+    name: str,
+    model: str,
+    *,
+    sizes: list[str],
+    steps: int = 50,
+    max_sequence_length: int = 512,
+    lora: bool = False,
+    edit: bool = False,
+    description: str = "",
+) -> WorkflowSpec:
+    """``model``: a Qwen-Image pipeline folder (a ``QwenImageEditPipeline`` one for ``edit``)."""
+    width, height = (int(x) for x in sizes[0].split("x"))
+    params = qwenimage_params(
+        width=width, height=height, steps=steps, max_sequence_length=max_sequence_length
+    )
+    if edit:
+        params["image"] = ParamSpec(type="image", required=True, description="the picture to edit, RGB")
+    if lora:
+        params.update(lora_params())
+    text = (QwenImageEditTextEncoder if edit else QwenImageTextEncoder)(model, id="text")
+    prepare = QwenImagePrepareLatents(model, id="prepare")
+    transformer = QwenImageTransformer(model, id="transformer")
+    scheduler = QwenImageSchedulerStep(model, id="scheduler")
+    vae = QwenImageVaeDecode(model, id="vae")
+    with Workflow(name, params=params, sizes=sizes, description=description) as wf:
+        text()  # prompt, negative_prompt, true_cfg_scale, max_sequence_length (and image)
+        if edit:
+            QwenImageEditImageEncode(model, id="image_encode")()  # image
+        init = prepare()  # seed, height, width, num_inference_steps
+
+        def denoise(step: Value, latents: Value) -> object:
+            # embeddings, image_latents/image_shape (edit), lora, lora_scale: bound by name
+            noise_pred = transformer(latents=latents)
+            return scheduler(noise_pred=noise_pred, latents=latents)
+
+        final = wf.loop("num_inference_steps", denoise, id="denoise", latents=init.latents)
+        wf.output("image", vae(latents=final))
+    return wf.spec()
+
+
+def workflows(model: str = "tiny-qwenimage", edit_model: str = "tiny-qwenimage-edit") -> list[WorkflowSpec]:
+    """The tiny Qwen-Image family: plain, with LoRA, and the instruction edit. ``model`` is a
+    ``QwenImagePipeline`` folder, ``edit_model`` a ``QwenImageEditPipeline`` one;
+    :func:`libs.models.tiny_qwenimage.build` builds both."""
+
+    def tiny(
+        name: str, folder: str, description: str, *, lora: bool = False, edit: bool = False
+    ) -> WorkflowSpec:
+        return qwenimage_workflow(
+            name,
+            folder,
+            sizes=TINY_SIZES,
+            steps=4,
+            max_sequence_length=64,
+            lora=lora,
+            edit=edit,
+            description=description,
+        )
+
+    return [
+        tiny("tiny-qwenimage", model, DESCRIPTION),
+        tiny("tiny-qwenimage-lora", model, f"{DESCRIPTION} with LoRA", lora=True),
+        tiny("tiny-qwenimage-edit", edit_model, EDIT_DESCRIPTION, edit=True),
+    ]
