@@ -6,8 +6,9 @@
   ``text_encoder``, ``transformer``, ``vae``, ``scheduler``) whose scheduler shifts the schedule by
   resolution (``use_dynamic_shifting``: the pipeline's ``mu`` applies).
 * ``tiny-zimage-turbo``: the *same* components (bit-identical weights) with a fixed-shift
-  scheduler (``shift=3.0``, no dynamic shifting, so ``set_timesteps`` ignores ``mu``), the kind
-  of scheduler the distilled Turbo checkpoint ships; one LoRA serves both.
+  scheduler (``shift=3.0``, no dynamic shifting, so ``set_timesteps`` ignores ``mu``): our
+  understanding of the Turbo checkpoint's scheduler config, not checked against the released file
+  (built offline); it exercises the path where ``mu`` is ignored. One LoRA serves every folder.
 * ``tiny-zimage-controlnet`` / ``tiny-zimage-turbo-controlnet``: ``ZImageControlNetPipeline``
   folders, the base and Turbo components plus ``controlnet``.
 * ``tiny-zimage-style``: ``loras/tiny-zimage-style.safetensors``, a LoRA on the transformer's
