@@ -260,6 +260,45 @@ EXPECTED_IO: dict[str, dict[str, tuple[dict[str, bool], list[str], list[str]]]] 
             [],
         ),
         "sd3.vae_decode": ({"latents": False}, ["image"], []),
+        "sd3.vae_encode": (
+            {
+                "image": False,
+                "seed": False,
+                "height": False,
+                "width": False,
+                "num_inference_steps": False,
+                "strength": False,
+            },
+            ["latents", "timesteps"],
+            [],
+        ),
+        "sd3.inpaint_latents": (
+            {
+                "image": False,
+                "mask": False,
+                "seed": False,
+                "height": False,
+                "width": False,
+                "num_inference_steps": False,
+                "strength": False,
+            },
+            ["latents", "timesteps", "image_latents", "noise", "init_mask"],
+            [],
+        ),
+        "sd3.inpaint_blend": (
+            {
+                "latents": False,
+                "image_latents": False,
+                "noise": False,
+                "init_mask": False,
+                "timesteps": False,
+                "step": False,
+                "num_inference_steps": False,
+            },
+            ["latents"],
+            [],
+        ),
+        "sd3.inpaint_vae_decode": ({"latents": False}, ["image"], []),
         "sd3.control_image": (
             {
                 "control_image": False,

@@ -49,7 +49,10 @@ WORKFLOWS = {
         *("tiny-sd15", "tiny-sd15-controlnet", "tiny-sd15-lora", "tiny-sd15-controlnet-lora"),
         *("tiny-sd15-img2img", "tiny-sd15-inpaint"),
     ],
-    "sd3": ["tiny-sd3", "tiny-sd3-controlnet", "tiny-sd3-lora", "tiny-sd3-controlnet-lora"],
+    "sd3": [
+        *("tiny-sd3", "tiny-sd3-controlnet", "tiny-sd3-lora", "tiny-sd3-controlnet-lora"),
+        *("tiny-sd3-img2img", "tiny-sd3-inpaint"),
+    ],
     "sana": ["tiny-sana", "tiny-sana-controlnet", "tiny-sana-lora", "tiny-sana-controlnet-lora"],
     "zimage": [
         f"tiny-zimage{v}{s}" for v in ("", "-turbo") for s in ("", "-controlnet", "-lora", "-controlnet-lora")
@@ -61,6 +64,7 @@ WORKFLOWS = {
 IMG2IMG_FNS = {
     "flux": {"flux.vae_encode", "flux.inpaint_latents", "flux.inpaint_blend"},
     "sd": {"sd.vae_encode", "sd.inpaint_latents", "sd.inpaint_blend"},
+    "sd3": {"sd3.vae_encode", "sd3.inpaint_latents", "sd3.inpaint_blend", "sd3.inpaint_vae_decode"},
 }
 # The ModelFns only the ControlNet pipeline has: in libs.models.{family}_controlnet.
 CONTROLNET_FNS = {
