@@ -53,13 +53,18 @@ class Base:
     vae: str
     steps: int
     controlnet: str = ""  # the ControlNet its ControlNet variants use ("" = none in S2)
+    # The catalog workflow of the same architecture (libs/models/*_workflows.py, tiny random
+    # weights), which a real checkpoint of this model runs through: what this simulated one stands for.
+    real: str = ""
 
 
 BASES: dict[str, Base] = {
     b.name: b
     for b in (
-        Base("sd3.5-large", "sd3/text", "sd3.5-large/dit", "sd3/vae", 28, "sd3.5-large/controlnet"),
-        Base("z-image", "qwen3-4b/text", "z-image/dit", "z-image/vae", 50),
+        Base(
+            "sd3.5-large", "sd3/text", "sd3.5-large/dit", "sd3/vae", 28, "sd3.5-large/controlnet", "tiny-sd3"
+        ),
+        Base("z-image", "qwen3-4b/text", "z-image/dit", "z-image/vae", 50, real="tiny-zimage"),
         Base(
             "z-image-turbo",
             "qwen3-4b/text",
@@ -67,10 +72,23 @@ BASES: dict[str, Base] = {
             "z-image/vae",
             8,
             "z-image-turbo/controlnet",
+            "tiny-zimage-turbo",
         ),
-        Base("flux1-dev", "flux1/text", "flux1-dev/dit", "flux1/vae", 28, "flux1/controlnet-union"),
-        Base("flux1-schnell", "flux1/text", "flux1-schnell/dit", "flux1/vae", 4, "flux1/controlnet-union"),
-        Base("flux2-klein-4b", "qwen3-4b/text", "flux2-klein-4b/dit", "flux2/vae", 4),
+        Base(
+            "flux1-dev", "flux1/text", "flux1-dev/dit", "flux1/vae", 28, "flux1/controlnet-union", "tiny-flux"
+        ),
+        Base(
+            "flux1-schnell",
+            "flux1/text",
+            "flux1-schnell/dit",
+            "flux1/vae",
+            4,
+            "flux1/controlnet-union",
+            "tiny-flux-schnell",
+        ),
+        Base(
+            "flux2-klein-4b", "qwen3-4b/text", "flux2-klein-4b/dit", "flux2/vae", 4, real="tiny-flux2-klein"
+        ),
     )
 }
 

@@ -81,3 +81,18 @@ def test_shared_components_share_model_keys() -> None:
     assert keys("flux1-dev", lora="a") - keys("flux1-dev") == {"flux1-dev/lora-a"}
     sizes = workflow_bytes(eval_workflow("flux1-dev"), PROFILE)
     assert sum(sizes.values()) / 1e9 == pytest.approx(33.72, abs=0.01)  # the paper's 33.7 GB
+
+
+def test_every_simulated_base_model_names_the_catalog_workflow_it_stands_for() -> None:
+    """The evaluation's models exist for real: each simulated base names a catalog workflow of its
+    architecture, which has the simulated one's ControlNet and LoRA variants too where S2 uses them."""
+    from libs.models import families
+    from libs.sim.settings import BASES, S2_VARIANTS
+
+    catalog = {w.name for w in families.workflows()}
+    for base in BASES.values():
+        assert base.real in catalog, (base.name, base.real)
+    for base, controlnet, lora in S2_VARIANTS:
+        real = BASES[base].real
+        variant = real + ("-controlnet" if controlnet else "") + ("-lora" if lora else "")
+        assert variant in catalog, (base, controlnet, lora, variant)
