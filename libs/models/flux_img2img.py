@@ -93,7 +93,7 @@ class FluxVaeEncode(ModelFn):
     the first timestep run; ``latent_image_ids`` [seq, 3] and ``timesteps``, the whole schedule."""
 
     fn_name = "flux.vae_encode"
-    outputs_kept = ("latents", "latent_image_ids", "timesteps")
+    outputs_kept: tuple[str, ...] = ("latents", "latent_image_ids", "timesteps")
 
     def setup_io(self) -> None:
         self.add_input("image")

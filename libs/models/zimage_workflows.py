@@ -19,6 +19,11 @@
 
 The variants of each checkpoint come from :func:`libs.models.common.variant_workflows`.
 
+``tiny-zimage-img2img`` and ``tiny-zimage-inpaint`` (:func:`zimage_edit_workflow`, on the base
+folder) start from an ``image``: ``ZImageImg2ImgPipeline`` and ``ZImageInpaintPipeline``, whose loop
+runs only the last steps of the schedule (``strength``); the inpainting one blends the kept region
+back after every Euler step (:mod:`libs.models.zimage_img2img`).
+
 Parameters are ``ZImagePipeline.__call__``'s (``cfg_normalization`` as a float, 0 = the
 pipeline's ``False``), with its defaults except where the tiny model needs its own (steps, max
 sequence length). Sizes must divide by 16 (``vae_scale_factor * 2``).
@@ -28,7 +33,7 @@ This module imports no torch: composing only records names and references.
 
 from __future__ import annotations
 
-from libs.models.common import Variant, controlnet_params, lora_params, variant_workflows
+from libs.models.common import Variant, controlnet_params, edit_params, lora_params, variant_workflows
 from libs.models.zimage import (
     ZImagePrepareLatents,
     ZImageSchedulerStep,
@@ -37,6 +42,7 @@ from libs.models.zimage import (
     ZImageVaeDecode,
 )
 from libs.models.zimage_controlnet import ZImageControlEncode, ZImageControlNet
+from libs.models.zimage_img2img import ZImageInpaintBlend, ZImageInpaintLatents, ZImageVaeEncode
 from libs.workflow.compose import Value, Workflow
 from libs.workflow.modelfn import ModelFn
 from libs.workflow.spec import ParamSpec, WorkflowSpec
@@ -51,6 +57,9 @@ MODELFNS: list[type[ModelFn]] = [
     ZImageTransformer,
     ZImageSchedulerStep,
     ZImageVaeDecode,
+    ZImageVaeEncode,
+    ZImageInpaintLatents,
+    ZImageInpaintBlend,
 ]
 
 TINY_SIZES = ["64x64", "128x128", "96x64", "64x96"]
@@ -180,4 +189,54 @@ def workflows(
             )
 
         out += variant_workflows(name, description, compose)
+    out += [
+        zimage_edit_workflow("tiny-zimage-img2img", model, inpaint=False, description=BASE + ", img2img"),
+        zimage_edit_workflow("tiny-zimage-inpaint", model, inpaint=True, description=BASE + ", inpainting"),
+    ]
     return out
+
+
+def zimage_edit_workflow(
+    name: str,
+    model: str,
+    *,
+    inpaint: bool,
+    sizes: list[str] = TINY_SIZES,
+    steps: int = 4,
+    max_sequence_length: int = 96,
+    description: str = "",
+) -> WorkflowSpec:
+    """A Z-Image image-to-image workflow on the ``ZImagePipeline`` folder ``model`` (with
+    ``inpaint``, the inpainting pipeline's), taking :func:`~libs.models.common.edit_params` at the
+    pipelines' default strength (0.6 for img2img, 1.0 for inpainting)."""
+    width, height = (int(x) for x in sizes[0].split("x"))
+    text = ZImageTextEncoder(model, id="text")
+    prepare: ZImageVaeEncode = (
+        ZImageInpaintLatents(model, id="prepare") if inpaint else ZImageVaeEncode(model, id="prepare")
+    )
+    transformer = ZImageTransformer(model, id="transformer")
+    scheduler = ZImageSchedulerStep(model, id="scheduler")
+    blend = ZImageInpaintBlend(model, id="blend")
+    vae = ZImageVaeDecode(model, id="vae")
+    params = zimage_params(width=width, height=height, steps=steps, max_sequence_length=max_sequence_length)
+    params.update(edit_params(strength=1.0 if inpaint else 0.6, inpaint=inpaint))
+    with Workflow(name, params=params, sizes=sizes, description=description) as wf:
+        text()
+        init = prepare()  # image (and mask), seed, height, width, num_inference_steps, strength
+
+        def denoise(step: Value, latents: Value) -> Value:
+            noise_pred = transformer(latents=latents)
+            latents = scheduler(noise_pred=noise_pred, latents=latents)
+            # image_latents, noise, init_mask: the preparation's, bound by name
+            return blend(latents=latents) if inpaint else latents
+
+        latents = wf.loop(
+            "num_inference_steps",
+            denoise,
+            id="denoise",
+            fraction="strength",
+            rounding="start",
+            latents=init.latents,
+        )
+        wf.output("image", vae(latents=latents))
+    return wf.spec()

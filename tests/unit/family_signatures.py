@@ -478,6 +478,44 @@ EXPECTED_IO: dict[str, dict[str, tuple[dict[str, bool], list[str], list[str]]]] 
             [],
         ),
         "zimage.vae_decode": ({"latents": False}, ["image"], []),
+        "zimage.vae_encode": (
+            {
+                "image": False,
+                "seed": False,
+                "height": False,
+                "width": False,
+                "num_inference_steps": False,
+                "strength": False,
+            },
+            ["latents", "timesteps"],
+            [],
+        ),
+        "zimage.inpaint_latents": (
+            {
+                "mask": False,
+                "image": False,
+                "seed": False,
+                "height": False,
+                "width": False,
+                "num_inference_steps": False,
+                "strength": False,
+            },
+            ["latents", "timesteps", "image_latents", "noise", "init_mask"],
+            [],
+        ),
+        "zimage.inpaint_blend": (
+            {
+                "latents": False,
+                "image_latents": False,
+                "noise": False,
+                "init_mask": False,
+                "timesteps": False,
+                "step": False,
+                "num_inference_steps": False,
+            },
+            ["latents"],
+            [],
+        ),
     },
     "flux2": {
         "flux2.text_encoder": (

@@ -55,7 +55,12 @@ WORKFLOWS = {
     ],
     "sana": ["tiny-sana", "tiny-sana-controlnet", "tiny-sana-lora", "tiny-sana-controlnet-lora"],
     "zimage": [
-        f"tiny-zimage{v}{s}" for v in ("", "-turbo") for s in ("", "-controlnet", "-lora", "-controlnet-lora")
+        *(
+            f"tiny-zimage{v}{s}"
+            for v in ("", "-turbo")
+            for s in ("", "-controlnet", "-lora", "-controlnet-lora")
+        ),
+        *("tiny-zimage-img2img", "tiny-zimage-inpaint"),
     ],
     "flux2": ["tiny-flux2-klein", "tiny-flux2-klein-lora"],
     "qwenimage": ["tiny-qwenimage", "tiny-qwenimage-lora", "tiny-qwenimage-edit"],
@@ -65,6 +70,7 @@ IMG2IMG_FNS = {
     "flux": {"flux.vae_encode", "flux.inpaint_latents", "flux.inpaint_blend"},
     "sd": {"sd.vae_encode", "sd.inpaint_latents", "sd.inpaint_blend"},
     "sd3": {"sd3.vae_encode", "sd3.inpaint_latents", "sd3.inpaint_blend", "sd3.inpaint_vae_decode"},
+    "zimage": {"zimage.vae_encode", "zimage.inpaint_latents", "zimage.inpaint_blend"},
 }
 # The ModelFns only the ControlNet pipeline has: in libs.models.{family}_controlnet.
 CONTROLNET_FNS = {

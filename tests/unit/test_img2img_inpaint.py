@@ -31,6 +31,8 @@ WORKFLOWS = {
     "tiny-flux-inpaint": ("flux", "FluxInpaintPipeline", "flux.transformer"),
     "tiny-sd3-img2img": ("sd3", "StableDiffusion3Img2ImgPipeline", "sd3.transformer"),
     "tiny-sd3-inpaint": ("sd3", "StableDiffusion3InpaintPipeline", "sd3.transformer"),
+    "tiny-zimage-img2img": ("zimage", "ZImageImg2ImgPipeline", "zimage.transformer"),
+    "tiny-zimage-inpaint": ("zimage", "ZImageInpaintPipeline", "zimage.transformer"),
 }
 
 
@@ -103,8 +105,10 @@ def pipeline_kwargs(family: str, workflow: str, params: dict[str, Any]) -> dict[
         num_inference_steps=params["num_inference_steps"],
         guidance_scale=params["guidance_scale"],
     )
-    if family in ("sd", "sd3"):
+    if family in ("sd", "sd3", "zimage"):
         kwargs["negative_prompt"] = params["negative_prompt"]
+    if family == "zimage":
+        kwargs.update(cfg_normalization=params["cfg_normalization"], cfg_truncation=params["cfg_truncation"])
     if family == "sd":
         if "mask" in params:  # the img2img pipeline takes no size: the picture's, rounded down
             kwargs.update(height=params["height"], width=params["width"])
@@ -164,6 +168,16 @@ CASES = [
     ),
     pytest.param("tiny-sd3-inpaint", dict(num_inference_steps=5, strength=0.6), id="sd3-inpaint-0.6"),
     pytest.param("tiny-sd3-inpaint", dict(num_inference_steps=3, strength=1.0, seed=4), id="sd3-inpaint-1.0"),
+    pytest.param("tiny-zimage-img2img", dict(num_inference_steps=4, strength=0.6), id="zimage-img2img-0.6"),
+    pytest.param(
+        "tiny-zimage-img2img",
+        dict(num_inference_steps=3, strength=1.0, guidance_scale=0.0, height=64),
+        id="zimage-img2img-1.0-64x64-no-cfg",
+    ),
+    pytest.param("tiny-zimage-inpaint", dict(num_inference_steps=5, strength=0.6), id="zimage-inpaint-0.6"),
+    pytest.param(
+        "tiny-zimage-inpaint", dict(num_inference_steps=3, strength=1.0, seed=4), id="zimage-inpaint-1.0"
+    ),
 ]
 
 

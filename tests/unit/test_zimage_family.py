@@ -27,7 +27,8 @@ from tests.unit.model_families import NEGATIVE, PROMPT, ZImage, harness
 # The thread count changes the bits: pipelines and nodes alike run on one thread.
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-WORKFLOWS = [w.name for w in zimage_workflows.workflows()]
+# The text-to-image workflows (img2img and inpainting: tests/unit/test_img2img_inpaint.py).
+WORKFLOWS = [w.name for w in zimage_workflows.workflows() if "image" not in w.params]
 
 
 @pytest.fixture(scope="module")
