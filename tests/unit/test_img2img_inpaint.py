@@ -89,12 +89,17 @@ def recording_runner(h: Harness) -> tuple[LocalRunner, list[torch.Tensor]]:
     return _RUNNERS[h.family]
 
 
-def run(h: Harness, workflow: str, params: dict[str, Any]) -> Result:
-    runner, decoded = recording_runner(h)
+def edit_images(params: dict[str, Any]) -> dict[str, Image.Image]:
+    """The pictures a request to an edit workflow names: the picture and, inpainting, the mask."""
     images = {INIT: picture(params["width"], params["height"])}
     if "mask" in params:
         images[MASK] = mask_picture(params["width"], params["height"])
-    image = h.run(runner, workflow, params, **images).image
+    return images
+
+
+def run(h: Harness, workflow: str, params: dict[str, Any]) -> Result:
+    runner, decoded = recording_runner(h)
+    image = h.run(runner, workflow, params, **edit_images(params)).image
     return Result(image, decoded[-1])
 
 

@@ -17,6 +17,9 @@ from libs.workflow.dag import DagNode
 from libs.workflow.local import LocalRunner
 from services.executor.runtime import ModelCache
 from tests.unit.model_families import CONTROL, FAMILIES, NEGATIVE, Harness, harness
+from tests.unit.test_img2img_inpaint import CASES as EDIT_CASES
+from tests.unit.test_img2img_inpaint import edit_images
+from tests.unit.test_img2img_inpaint import reference as edit_reference
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -32,6 +35,10 @@ PREFIXES: dict[str, Callable[[int, int], int]] = {
 # Each workflow once, with the request its family's bitwise tests use (the first case naming it);
 # the parallel true-CFG workflow with a negative prompt, as its own test asks the pipeline.
 EXTRA = {"tiny-flux-cfg-parallel": {"negative_prompt": NEGATIVE, "true_cfg_scale": 2.5}}
+# The img2img and inpainting workflows: their first case in test_img2img_inpaint.py, against its pipelines.
+EDITS: dict[str, dict] = {}
+for case in EDIT_CASES:
+    EDITS.setdefault(case.values[0], case.values[1])  # type: ignore[arg-type]
 WORKFLOWS = [
     pytest.param(f, name, id=name)
     for f in FAMILIES
@@ -42,6 +49,8 @@ WORKFLOWS = [
 def first_case(h: Harness, workflow: str) -> dict:
     if workflow in EXTRA:
         return dict(EXTRA[workflow])
+    if workflow in EDITS:
+        return dict(EDITS[workflow])
     return next(changes for w, changes, _ in h.cases if w == workflow)
 
 
@@ -93,9 +102,12 @@ def test_each_workflow_over_the_weight_cache_at_every_prefix_equals_its_pipeline
     cache = cache_for(h, loader)
     changes = first_case(h, workflow)
     params = h.request(workflow, **changes)
-    expected = h.reference(workflow, params, **EXTRA.get(workflow, {}))
+    if workflow in EDITS:
+        expected = edit_reference(h, workflow, params)
+    else:
+        expected = h.reference(workflow, params, **EXTRA.get(workflow, {}))
     runner = LocalRunner(h.root, classes=h.classes(), models=cache)
-    images = {CONTROL: h.control_image()}
+    images = {CONTROL: h.control_image(), **(edit_images(params) if workflow in EDITS else {})}
     trimmed: list[tuple[ModelKey, int, int]] = []
     for prefix in PREFIXES:
         seen: list[tuple[ModelKey, int, int]] = []
