@@ -93,7 +93,10 @@ def test_a_lora_whose_metadata_sets_alpha_other_than_rank_is_refused() -> None:
 def test_the_workflows_declare_the_platform_parameters(h: Sd3) -> None:
     specs = h.specs
 
-    assert sorted(specs) == ["tiny-sd3", "tiny-sd3-controlnet", "tiny-sd3-controlnet-lora", "tiny-sd3-lora"]
+    assert sorted(specs) == [
+        *("tiny-sd3", "tiny-sd3-controlnet", "tiny-sd3-controlnet-lora", "tiny-sd3-img2img"),
+        *("tiny-sd3-inpaint", "tiny-sd3-lora"),
+    ]
     base = {
         "prompt",
         "negative_prompt",
@@ -106,6 +109,8 @@ def test_the_workflows_declare_the_platform_parameters(h: Sd3) -> None:
     }
     assert set(specs["tiny-sd3"].params) == base
     assert set(specs["tiny-sd3-lora"].params) == base | {"lora", "lora_scale"}
+    assert set(specs["tiny-sd3-img2img"].params) == base | {"image", "strength"}
+    assert set(specs["tiny-sd3-inpaint"].params) == base | {"image", "mask", "strength"}
     assert set(specs["tiny-sd3-controlnet"].params) == base | {"control_image", "control_scale"}
     assert set(specs["tiny-sd3-controlnet-lora"].params) == base | {
         "control_image",
