@@ -256,3 +256,37 @@ def test_an_all_black_mask_keeps_the_picture_and_an_all_white_one_repaints_it(
     # The last step's blend puts the picture's latents back unnoised wherever the mask is black.
     assert torch.equal(kept, prepared["image_latents"])
     assert not torch.equal(repainted, kept)
+
+
+@pytest.mark.parametrize("workflow", list(WORKFLOWS))
+def test_each_edit_workflow_at_bf16_over_the_weight_cache_equals_its_pipeline_loaded_at_bf16(
+    workflow: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The picture, the noise and the mask take the dtype the executor loads the text encoder and
+    the VAE at (the pipelines cast them to ``prompt_embeds.dtype``), not the one in their configs."""
+    import diffusers
+
+    from libs.dataplane.loader import Loader
+    from libs.models.families import parse_dtypes
+    from services.executor.runtime import ModelCache
+
+    family, cls_name, _ = WORKFLOWS[workflow]
+    h = harness(family, tmp_path_factory)
+    params = h.request(workflow, **next(c.values[1] for c in CASES if c.values[0] == workflow))  # type: ignore[union-attr]
+    pipe = getattr(diffusers, cls_name).from_pretrained(
+        h.paths.get(h.base, h.root / h.base), torch_dtype=torch.bfloat16
+    )
+    pipe.set_progress_bar_config(disable=True)
+    expected = pipe(
+        params["prompt"],
+        generator=torch.Generator().manual_seed(params["seed"]),
+        **pipeline_kwargs(family, workflow, params),
+    ).images[0]
+
+    with Loader() as loader:
+        cache = ModelCache(h.root, "cpu", loader, parse_dtypes(f"{h.base}=bfloat16"))
+        runner = LocalRunner(h.root, classes=h.classes(), models=cache)
+        got = h.run(runner, workflow, params, **edit_images(params)).image
+
+    assert np.unique(got).size > 10
+    assert np.array_equal(got, np.array(expected))
