@@ -120,6 +120,7 @@ def test_each_family_runs_on_cuda_at_the_dtype_its_pipeline_is_run_at_and_the_cp
         "flux": "bfloat16", "sd": "float16", "sd3": "bfloat16", "sana": "bfloat16",
         "flux2": "bfloat16",
         "zimage": "bfloat16",
+        "qwenimage": "bfloat16",
     }  # fmt: skip
     assert {device_dtype(FAMILIES[f], "cpu") for f in FAMILIES} == {None}
     assert default_dtype(FluxTransformer("m"), "cuda") == "bfloat16"
@@ -130,6 +131,7 @@ def test_each_family_runs_on_cuda_at_the_dtype_its_pipeline_is_run_at_and_the_cp
         "SanaPipeline": "sana", "WanPipeline": None,
         "Flux2KleinPipeline": "flux2", "Flux2Transformer2DModel": "flux2",
         "ZImagePipeline": "zimage", "ZImageControlNetModel": "zimage",
+        "QwenImagePipeline": "qwenimage", "QwenImageEditPipeline": "qwenimage",
     }  # fmt: skip
     assert {c: getattr(family_of_class(c), "name", None) for c in classes} == classes
 
