@@ -48,7 +48,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from libs.models.build import main as build_models  # imports torch: after the brokers check
 
-    print("building the catalog's models (random weights; SD1.5, SD3, Flux, Sana) if missing ...")
+    print(
+        "building the catalog's models (random weights; every family of libs/models/families.py) if missing ..."
+    )
     build_models(["--out", args.models, "--all"])
 
     stack = Stack(

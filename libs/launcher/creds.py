@@ -340,6 +340,10 @@ async def bootstrap(nats_url: str, namespace: str, wait_s: float = 30.0) -> None
 
     server, user, password = split_credentials(nats_url)
     deadline = time.monotonic() + wait_s
+
+    async def quiet(e: Exception) -> None:  # a refused connect while the server starts: retried here
+        pass
+
     while True:
         try:
             nc = await nats.connect(
@@ -348,6 +352,7 @@ async def bootstrap(nats_url: str, namespace: str, wait_s: float = 30.0) -> None
                 user=user or None,
                 password=password or None,
                 allow_reconnect=False,
+                error_cb=quiet,
             )
             break
         except Exception:
