@@ -77,6 +77,11 @@ def _placeholder(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
     return torch.full((), fill, dtype=dtype, device=device).expand(shape)
 
 
+def _state_only(module: torch.nn.Module) -> bool:
+    """Whether ``module`` holds buffers and no parameters (below it included)."""
+    return next(module.parameters(), None) is None and next(module.buffers(), None) is not None
+
+
 class WrongDeviceError(LayerLoadError):
     """A layer's bytes are on another device than its model (a bug of placement, never bound)."""
 
@@ -107,6 +112,10 @@ class VirtualModel:
         self.comp_s: list[float] = []
         self._started: dict[int, float] = {}
         self._hooks: list[Any] = []
+        # Layers whose module holds buffers only (a batch norm's running statistics, a rotary
+        # embedding's frequencies): state the pipeline's code may read outside any forward, where
+        # no hook waits, so they are loaded before the model runs (WeightCache.begin).
+        self.direct: list[int] = []
         seen: set[int] = set()
         for value in components.values():
             for item in value if isinstance(value, list | tuple) else (value,):
@@ -170,6 +179,9 @@ class VirtualModel:
                 for t in slot.tensors:
                     t.at = t.flat - slot.base
                 slot.nbytes = -(-(slot.end - slot.base) // PAGE) * PAGE
+        for i, slot in enumerate(self.slots[comp.first :], start=comp.first):
+            if slot.tensors and slot.module is not None and _state_only(slot.module):
+                self.direct.append(i)
         self._install_hooks(comp, [s for s in self.slots[comp.first :]])
 
     def sizes(self) -> list[int]:

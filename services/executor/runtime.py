@@ -178,7 +178,11 @@ class ModelCache:
             comps = self._load(key)
         report = LoadReport()
         if key in self.weights.models:
-            job, report = self.weights.begin(key)
+            try:
+                job, report = self.weights.begin(key)
+            except LayerLoadError as e:
+                self._forget(key)
+                raise NodeError(str(e), retryable=True) from e
             if first:
                 report.seconds = time.perf_counter() - t0
             return Acquired(key, comps, job, report)

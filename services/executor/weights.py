@@ -283,8 +283,26 @@ class WeightCache:
         job.start()
         if not self.pipelined:  # every layer first, then the forward (a baseline for benchmarks)
             job.thread_join()
+        try:
+            self._wait_direct(vm, set(missing))
+        except LayerLoadError:
+            self.end(key, job, report)  # unpins; raises the load's own error
+            raise
         report.seconds = time.perf_counter() - t0
         return job, report
+
+    def _wait_direct(self, vm: VirtualModel, missing: set[int]) -> None:
+        """Wait for the layers whose tensors code may read outside a forward, where no hook waits
+        (:attr:`VirtualModel.direct`), so execute finds them loaded."""
+        for i in vm.direct:
+            if i not in missing:
+                continue
+            slot = vm.slots[i]
+            slot.ready.wait()
+            if not slot.filled:
+                raise LayerLoadError(f"layer {slot.name} of {vm.key} was not loaded")
+            if slot.event is not None:
+                torch.cuda.current_stream(self.device).wait_event(slot.event)
 
     def end(self, key: Hashable, job: LoadJob, report: LoadReport) -> None:
         """After the run (however it went): wait for the copies, unpin, keep the profile, trim."""

@@ -114,8 +114,13 @@ class Harness:
         params.update(changes)
         return params
 
+    def images(self, workflow: str, params: dict[str, Any]) -> dict[str, Any]:
+        """The pictures a request to ``workflow`` names that the family provides (every run gets
+        the control image; a family with an edit workflow adds its input picture)."""
+        return {CONTROL: self.control_image()}
+
     def run(self, runner: LocalRunner, workflow: str, params: dict[str, Any], **images: Any) -> Result:
-        images = {CONTROL: self.control_image(), **images}
+        images = {**self.images(workflow, params), **images}
         out = runner.run(self.specs[workflow], params, images=images, loras=self.loras)
         image = out["image"]
         assert isinstance(image, torch.Tensor) and image.dtype == torch.uint8
@@ -878,8 +883,12 @@ class QwenImage(Harness):
         pixels = np.random.default_rng(3).integers(0, 256, (60, 84, 3), dtype=np.uint8)
         return Image.fromarray(pixels, "RGB")
 
+    def images(self, workflow: str, params: dict[str, Any]) -> dict[str, Any]:
+        edit = {INIT: self.edit_image()} if "image" in params else {}
+        return {**super().images(workflow, params), **edit}
+
     def run(self, runner: LocalRunner, workflow: str, params: dict[str, Any], **images: Any) -> Result:
-        image = super().run(runner, workflow, params, **{INIT: self.edit_image(), **images}).image
+        image = super().run(runner, workflow, params, **images).image
         return Result(image, self.decoded[-1])
 
     def reference(self, workflow: str, params: dict[str, Any]) -> Result:

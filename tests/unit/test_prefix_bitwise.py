@@ -16,7 +16,7 @@ from libs.protocol.ids import ModelKey
 from libs.workflow.dag import DagNode
 from libs.workflow.local import LocalRunner
 from services.executor.runtime import ModelCache
-from tests.unit.model_families import CONTROL, FAMILIES, NEGATIVE, Harness, harness
+from tests.unit.model_families import FAMILIES, NEGATIVE, Harness, harness
 from tests.unit.test_img2img_inpaint import CASES as EDIT_CASES
 from tests.unit.test_img2img_inpaint import edit_images
 from tests.unit.test_img2img_inpaint import reference as edit_reference
@@ -107,7 +107,7 @@ def test_each_workflow_over_the_weight_cache_at_every_prefix_equals_its_pipeline
     else:
         expected = h.reference(workflow, params, **EXTRA.get(workflow, {}))
     runner = LocalRunner(h.root, classes=h.classes(), models=cache)
-    images = {CONTROL: h.control_image(), **(edit_images(params) if workflow in EDITS else {})}
+    images = {**h.images(workflow, params), **(edit_images(params) if workflow in EDITS else {})}
     trimmed: list[tuple[ModelKey, int, int]] = []
     for prefix in PREFIXES:
         seen: list[tuple[ModelKey, int, int]] = []

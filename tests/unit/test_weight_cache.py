@@ -261,3 +261,76 @@ def test_a_layer_is_never_bound_to_memory_on_another_device_than_its_model(
         assert same.arena is arena and same.policy.budgets[ARENA] == 1 << 19
     finally:
         arena.close()
+
+
+class _Slow:
+    """A loader whose loads start late: a layer read before its copy lands reads a placeholder."""
+
+    def __init__(self, base: Loader, delay: float) -> None:
+        self._base = base
+        self._delay = delay
+
+    def load(self, *args: object, **kwargs: object) -> object:
+        import time
+
+        time.sleep(self._delay)
+        return self._base.load(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._base, name)
+
+
+def test_a_layer_of_buffers_read_outside_any_forward_is_loaded_before_the_model_runs(
+    tmp_path: Path, loader: Loader
+) -> None:
+    """AutoencoderKLFlux2's pipeline reads ``vae.bn.running_mean``/``running_var`` itself, before
+    ``decode``: no forward hook waits there, and with ``bn`` (its last layer) evicted it read NaN
+    placeholders (a black image). A layer whose module holds buffers only is loaded before the
+    model runs; the other layers still load behind the forward."""
+    from diffusers.configuration_utils import ConfigMixin, register_to_config
+    from diffusers.models.modeling_utils import ModelMixin
+
+    from libs.models.common import load_component
+    from services.executor.weights import WeightCache
+
+    class Stats(ModelMixin, ConfigMixin):
+        @register_to_config
+        def __init__(self, channels: int = 4, depth: int = 3) -> None:
+            super().__init__()
+            self.conv_in = torch.nn.Conv2d(channels, channels, 3, padding=1)
+            self.blocks = torch.nn.ModuleList(torch.nn.Conv2d(channels, channels, 1) for _ in range(depth))
+            self.bn = torch.nn.BatchNorm2d(channels, affine=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.conv_in(x)
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    torch.manual_seed(0)
+    source = Stats().eval()
+    source.bn.running_mean.copy_(torch.randn(4))
+    source.bn.running_var.copy_(torch.rand(4) + 0.5)
+    source.save_pretrained(tmp_path / "stats")
+    x = torch.randn(1, 4, 8, 8)
+    with torch.no_grad():
+        expected = source(x) * source.bn.running_var.sqrt().view(1, -1, 1, 1) + source.bn.running_mean.view(
+            1, -1, 1, 1
+        )
+
+    model = load_component(Stats, str(tmp_path / "stats"), None, "cpu", loader)
+    cache = WeightCache("cpu", 0, loader=loader)
+    key = ModelKey("stats", "tiny")
+    vm = cache.add(key, {"model": model}, loader=_Slow(loader, 0.3))
+    assert [vm.slots[i].name for i in vm.direct] == ["bn"]  # the parameters' layers stay pipelined
+    for resident in (len(vm.slots), 0, 2):
+        cache.trim(key, resident)
+        job, report = cache.begin(key)
+        try:
+            with torch.no_grad():
+                mean, var = model.bn.running_mean.view(1, -1, 1, 1), model.bn.running_var.view(1, -1, 1, 1)
+                assert torch.equal(mean.flatten(), source.bn.running_mean), resident
+                out = model(x) * var.sqrt() + mean
+        finally:
+            cache.end(key, job, report)
+        assert torch.equal(out, expected), resident
