@@ -9,6 +9,11 @@
   parameter (the picture uploaded to ``/v1/images/edits``): the VL text encoder sees the prompt with
   the image, ``qwenimage.edit_image_encode`` VAE-encodes the image once, and the transformer binds
   its ``image_latents``/``image_shape`` by name and runs on the noise followed by them.
+* ``tiny-qwenimage-img2img`` and ``tiny-qwenimage-inpaint`` (:func:`qwenimage_img2img_workflow`,
+  on the base folder): ``QwenImageImg2ImgPipeline`` and ``QwenImageInpaintPipeline``, the
+  ``image`` (and ``mask``) parameters VAE-encoded and noised to the first step run; the loop runs
+  only the last steps of the schedule (``strength``), and inpainting blends the kept region back
+  after every Euler step (:mod:`libs.models.qwenimage_img2img`).
 
 There is no ControlNet variant (:mod:`libs.models.qwenimage_controlnet` is empty). Defaults are
 the pipelines' (``true_cfg_scale`` 4.0, ``max_sequence_length`` 512) except the tiny models' steps
@@ -20,7 +25,7 @@ This module imports no torch: composing only records names and references.
 
 from __future__ import annotations
 
-from libs.models.common import lora_params
+from libs.models.common import edit_params, lora_params
 from libs.models.qwenimage import (
     QwenImageEditImageEncode,
     QwenImageEditTextEncoder,
@@ -30,11 +35,12 @@ from libs.models.qwenimage import (
     QwenImageTransformer,
     QwenImageVaeDecode,
 )
+from libs.models.qwenimage_img2img import QwenImageInpaintBlend, QwenImageInpaintLatents, QwenImageVaeEncode
 from libs.workflow.compose import Value, Workflow
 from libs.workflow.modelfn import ModelFn
 from libs.workflow.spec import ParamSpec, WorkflowSpec
 
-# Every Qwen-Image ModelFn (libs.models.qwenimage; libs.models.qwenimage_controlnet has none), for
+# Every Qwen-Image ModelFn (libs.models.qwenimage and qwenimage_img2img; qwenimage_controlnet has none), for
 # the catalog (entry points) and tests.
 MODELFNS: list[type[ModelFn]] = [
     QwenImageTextEncoder,
@@ -44,6 +50,9 @@ MODELFNS: list[type[ModelFn]] = [
     QwenImageTransformer,
     QwenImageSchedulerStep,
     QwenImageVaeDecode,
+    QwenImageVaeEncode,
+    QwenImageInpaintLatents,
+    QwenImageInpaintBlend,
 ]
 
 TINY_SIZES = ["64x64", "96x64", "64x96", "128x128"]
@@ -114,9 +123,57 @@ def qwenimage_workflow(
     return wf.spec()
 
 
+def qwenimage_img2img_workflow(
+    name: str,
+    model: str,
+    *,
+    inpaint: bool,
+    sizes: list[str],
+    steps: int = 50,
+    max_sequence_length: int = 512,
+    description: str = "",
+) -> WorkflowSpec:
+    """An image-to-image workflow on the ``QwenImagePipeline`` folder ``model`` (with ``inpaint``,
+    the inpainting pipeline's), taking :func:`~libs.models.common.edit_params` at both pipelines'
+    default strength, 0.6."""
+    width, height = (int(x) for x in sizes[0].split("x"))
+    params = qwenimage_params(
+        width=width, height=height, steps=steps, max_sequence_length=max_sequence_length
+    )
+    params.update(edit_params(strength=0.6, inpaint=inpaint))
+    text = QwenImageTextEncoder(model, id="text")
+    prepare: QwenImageVaeEncode = (
+        QwenImageInpaintLatents(model, id="prepare") if inpaint else QwenImageVaeEncode(model, id="prepare")
+    )
+    transformer = QwenImageTransformer(model, id="transformer")
+    scheduler = QwenImageSchedulerStep(model, id="scheduler")
+    blend = QwenImageInpaintBlend(model, id="blend")
+    vae = QwenImageVaeDecode(model, id="vae")
+    with Workflow(name, params=params, sizes=sizes, description=description) as wf:
+        text()  # prompt, negative_prompt, true_cfg_scale, max_sequence_length
+        init = prepare()  # image (and mask), seed, height, width, num_inference_steps, strength
+
+        def denoise(step: Value, latents: Value) -> Value:
+            noise_pred = transformer(latents=latents)  # the embeddings, bound by name
+            latents = scheduler(noise_pred=noise_pred, latents=latents)
+            # init_latents, noise, init_mask: the preparation's, bound by name
+            return blend(latents=latents) if inpaint else latents
+
+        latents = wf.loop(
+            "num_inference_steps",
+            denoise,
+            id="denoise",
+            fraction="strength",
+            rounding="start",
+            latents=init.latents,
+        )
+        wf.output("image", vae(latents=latents))
+    return wf.spec()
+
+
 def workflows(model: str = "tiny-qwenimage", edit_model: str = "tiny-qwenimage-edit") -> list[WorkflowSpec]:
-    """The tiny Qwen-Image family: plain, with LoRA, and the instruction edit. ``model`` is a
-    ``QwenImagePipeline`` folder, ``edit_model`` a ``QwenImageEditPipeline`` one;
+    """The tiny Qwen-Image family: plain, with LoRA, the instruction edit, img2img and inpainting.
+    ``model`` is a ``QwenImagePipeline`` folder, ``edit_model`` a ``QwenImageEditPipeline`` one;
     :func:`libs.models.tiny_qwenimage.build` builds both."""
 
     def tiny(
@@ -137,4 +194,19 @@ def workflows(model: str = "tiny-qwenimage", edit_model: str = "tiny-qwenimage-e
         tiny("tiny-qwenimage", model, DESCRIPTION),
         tiny("tiny-qwenimage-lora", model, f"{DESCRIPTION} with LoRA", lora=True),
         tiny("tiny-qwenimage-edit", edit_model, EDIT_DESCRIPTION, edit=True),
+        *(
+            qwenimage_img2img_workflow(
+                name,
+                model,
+                inpaint=inpaint,
+                sizes=TINY_SIZES,
+                steps=4,
+                max_sequence_length=64,
+                description=f"{DESCRIPTION}, {kind}",
+            )
+            for name, inpaint, kind in (
+                ("tiny-qwenimage-img2img", False, "img2img"),
+                ("tiny-qwenimage-inpaint", True, "inpainting"),
+            )
+        ),
     ]

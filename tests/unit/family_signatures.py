@@ -620,5 +620,43 @@ EXPECTED_IO: dict[str, dict[str, tuple[dict[str, bool], list[str], list[str]]]] 
             [],
         ),
         "qwenimage.vae_decode": ({"latents": False, "height": False, "width": False}, ["image"], []),
+        "qwenimage.vae_encode": (
+            {
+                "image": False,
+                "seed": False,
+                "height": False,
+                "width": False,
+                "num_inference_steps": False,
+                "strength": False,
+            },
+            ["latents", "timesteps"],
+            [],
+        ),
+        "qwenimage.inpaint_latents": (
+            {
+                "mask": False,
+                "image": False,
+                "seed": False,
+                "height": False,
+                "width": False,
+                "num_inference_steps": False,
+                "strength": False,
+            },
+            ["latents", "timesteps", "init_latents", "noise", "init_mask"],
+            [],
+        ),
+        "qwenimage.inpaint_blend": (
+            {
+                "latents": False,
+                "init_latents": False,
+                "noise": False,
+                "init_mask": False,
+                "timesteps": False,
+                "step": False,
+                "num_inference_steps": False,
+            },
+            ["latents"],
+            [],
+        ),
     },
 }

@@ -33,6 +33,8 @@ WORKFLOWS = {
     "tiny-sd3-inpaint": ("sd3", "StableDiffusion3InpaintPipeline", "sd3.transformer"),
     "tiny-zimage-img2img": ("zimage", "ZImageImg2ImgPipeline", "zimage.transformer"),
     "tiny-zimage-inpaint": ("zimage", "ZImageInpaintPipeline", "zimage.transformer"),
+    "tiny-qwenimage-img2img": ("qwenimage", "QwenImageImg2ImgPipeline", "qwenimage.transformer"),
+    "tiny-qwenimage-inpaint": ("qwenimage", "QwenImageInpaintPipeline", "qwenimage.transformer"),
 }
 
 
@@ -108,12 +110,14 @@ def pipeline_kwargs(family: str, workflow: str, params: dict[str, Any]) -> dict[
         image=picture(params["width"], params["height"]),
         strength=params["strength"],
         num_inference_steps=params["num_inference_steps"],
-        guidance_scale=params["guidance_scale"],
+        guidance_scale=params.get("guidance_scale"),  # qwenimage's: None, the pipelines' default
     )
-    if family in ("sd", "sd3", "zimage"):
+    if family in ("sd", "sd3", "zimage", "qwenimage"):
         kwargs["negative_prompt"] = params["negative_prompt"]
     if family == "zimage":
         kwargs.update(cfg_normalization=params["cfg_normalization"], cfg_truncation=params["cfg_truncation"])
+    if family == "qwenimage":
+        kwargs["true_cfg_scale"] = params["true_cfg_scale"]
     if family == "sd":
         if "mask" in params:  # the img2img pipeline takes no size: the picture's, rounded down
             kwargs.update(height=params["height"], width=params["width"])
@@ -182,6 +186,22 @@ CASES = [
     pytest.param("tiny-zimage-inpaint", dict(num_inference_steps=5, strength=0.6), id="zimage-inpaint-0.6"),
     pytest.param(
         "tiny-zimage-inpaint", dict(num_inference_steps=3, strength=1.0, seed=4), id="zimage-inpaint-1.0"
+    ),
+    pytest.param(
+        "tiny-qwenimage-img2img", dict(num_inference_steps=4, strength=0.6), id="qwenimage-img2img-0.6"
+    ),
+    pytest.param(
+        "tiny-qwenimage-img2img",
+        dict(num_inference_steps=3, strength=1.0, true_cfg_scale=1.0, height=64, seed=3),
+        id="qwenimage-img2img-1.0-64x64-no-cfg",
+    ),
+    pytest.param(
+        "tiny-qwenimage-inpaint", dict(num_inference_steps=5, strength=0.6), id="qwenimage-inpaint-0.6"
+    ),
+    pytest.param(
+        "tiny-qwenimage-inpaint",
+        dict(num_inference_steps=3, strength=1.0, seed=4, height=128),
+        id="qwenimage-inpaint-1.0-128x96",
     ),
 ]
 
