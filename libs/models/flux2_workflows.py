@@ -5,6 +5,10 @@
   step once per denoising step, then the VAE decode.
 * ``tiny-flux2-klein-lora``: the same with the ``lora`` and ``lora_scale`` parameters, which the
   transformer binds by name.
+* ``tiny-flux2-klein-inpaint`` (:func:`flux2_inpaint_workflow`): ``Flux2KleinInpaintPipeline``, from
+  an ``image`` and a ``mask``; its loop runs only the last steps of the schedule (``strength``), the
+  transformer sees the picture as reference tokens and the kept region is blended back after every
+  step (:mod:`libs.models.flux2_img2img`).
 
 Klein has no ControlNet pipeline (:mod:`libs.models.flux2_controlnet`), so of the four variants of
 :func:`libs.models.common.variant_workflows` only the plain and LoRA ones exist.
@@ -19,7 +23,7 @@ This module imports no torch: composing only records names and references.
 
 from __future__ import annotations
 
-from libs.models.common import VARIANTS, Variant, lora_params
+from libs.models.common import VARIANTS, Variant, edit_params, lora_params
 from libs.models.flux2 import (
     Flux2PrepareLatents,
     Flux2SchedulerStep,
@@ -27,18 +31,22 @@ from libs.models.flux2 import (
     Flux2Transformer,
     Flux2VaeDecode,
 )
+from libs.models.flux2_img2img import Flux2InpaintBlend, Flux2InpaintLatents, Flux2InpaintTransformer
 from libs.workflow.compose import Value, Workflow
 from libs.workflow.modelfn import ModelFn
 from libs.workflow.spec import ParamSpec, WorkflowSpec
 
-# Every Flux.2 ModelFn (libs.models.flux2; libs.models.flux2_controlnet has none), for the catalog
-# (entry points) and tests.
+# Every Flux.2 ModelFn (libs.models.flux2 and flux2_img2img; libs.models.flux2_controlnet has none),
+# for the catalog (entry points) and tests.
 MODELFNS: list[type[ModelFn]] = [
     Flux2TextEncoder,
     Flux2PrepareLatents,
     Flux2Transformer,
     Flux2SchedulerStep,
     Flux2VaeDecode,
+    Flux2InpaintLatents,
+    Flux2InpaintTransformer,
+    Flux2InpaintBlend,
 ]
 
 TINY_SIZES = ["128x128", "64x64", "256x256", "128x64", "64x128"]
@@ -123,4 +131,59 @@ def workflows(model: str = "tiny-flux2-klein") -> list[WorkflowSpec]:
             description=variant.describe(DESCRIPTION),
         )
 
-    return [compose(v) for v in VARIANTS if not v.controlnet]
+    return [
+        *(compose(v) for v in VARIANTS if not v.controlnet),
+        flux2_inpaint_workflow(
+            "tiny-flux2-klein-inpaint",
+            model,
+            sizes=TINY_SIZES,
+            steps=4,
+            max_sequence_length=96,
+            description=DESCRIPTION + ", inpainting",
+        ),
+    ]
+
+
+def flux2_inpaint_workflow(
+    name: str,
+    model: str,
+    *,
+    sizes: list[str],
+    steps: int = 50,
+    max_sequence_length: int = 512,
+    description: str = "",
+) -> WorkflowSpec:
+    """A Flux.2 Klein inpainting workflow on the ``Flux2KleinPipeline`` folder ``model``, taking
+    :func:`~libs.models.common.edit_params` at ``Flux2KleinInpaintPipeline.__call__``'s defaults
+    (``strength`` 0.8, ``guidance_scale`` 8.0)."""
+    width, height = (int(x) for x in sizes[0].split("x"))
+    text = Flux2TextEncoder(model, id="text")
+    prepare = Flux2InpaintLatents(model, id="prepare")
+    transformer = Flux2InpaintTransformer(model, id="transformer")
+    scheduler = Flux2SchedulerStep(model, id="scheduler")
+    blend = Flux2InpaintBlend(model, id="blend")
+    vae = Flux2VaeDecode(model, id="vae")
+    params = flux2_params(
+        width=width, height=height, steps=steps, max_sequence_length=max_sequence_length, guidance_scale=8.0
+    )
+    params.update(edit_params(strength=0.8, inpaint=True))
+    with Workflow(name, params=params, sizes=sizes, description=description) as wf:
+        text()  # prompt, guidance_scale, max_sequence_length
+        init = prepare()  # image, mask, seed, height, width, num_inference_steps, strength
+
+        def denoise(step: Value, latents: Value) -> Value:
+            # prompt_embeds, text_ids, latent_ids, image_latents, image_latent_ids, timesteps by name
+            noise_pred = transformer(latents=latents)
+            latents = scheduler(noise_pred=noise_pred, latents=latents)
+            return blend(latents=latents)  # image_latents, noise, init_mask: the preparation's
+
+        latents = wf.loop(
+            "num_inference_steps",
+            denoise,
+            id="denoise",
+            fraction="strength",
+            rounding="start",
+            latents=init.latents,
+        )
+        wf.output("image", vae(latents=latents))
+    return wf.spec()

@@ -33,6 +33,7 @@ WORKFLOWS = {
     "tiny-sd3-inpaint": ("sd3", "StableDiffusion3InpaintPipeline", "sd3.transformer"),
     "tiny-zimage-img2img": ("zimage", "ZImageImg2ImgPipeline", "zimage.transformer"),
     "tiny-zimage-inpaint": ("zimage", "ZImageInpaintPipeline", "zimage.transformer"),
+    "tiny-flux2-klein-inpaint": ("flux2", "Flux2KleinInpaintPipeline", "flux2.inpaint_transformer"),
     "tiny-qwenimage-img2img": ("qwenimage", "QwenImageImg2ImgPipeline", "qwenimage.transformer"),
     "tiny-qwenimage-inpaint": ("qwenimage", "QwenImageInpaintPipeline", "qwenimage.transformer"),
 }
@@ -133,6 +134,8 @@ def pipeline_kwargs(family: str, workflow: str, params: dict[str, Any]) -> dict[
 def reference(h: Harness, workflow: str, params: dict[str, Any]) -> Result:
     family, cls_name, _ = WORKFLOWS[workflow]
     pipe = pipeline(h, cls_name)
+    if family == "flux2":
+        return last_step_reference(pipe, family, workflow, params)
     outputs = [
         pipe(
             params["prompt"],
@@ -143,6 +146,24 @@ def reference(h: Harness, workflow: str, params: dict[str, Any]) -> Result:
         for output_type in ("pil", "latent")
     ]
     return Result(np.array(outputs[0][0]), outputs[1])
+
+
+def last_step_reference(pipe: Any, family: str, workflow: str, params: dict[str, Any]) -> Result:
+    """The image and the latents after the last step's blend, as the step callback sees them (the
+    packed latents the VAE decoder gets; Flux.2's ``output_type="latent"`` unpacks them)."""
+    final: list[torch.Tensor] = []
+
+    def keep_latents(_pipe: Any, _i: int, _t: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+        final[:] = [kwargs["latents"]]
+        return {}
+
+    image = pipe(
+        params["prompt"],
+        generator=torch.Generator().manual_seed(params["seed"]),
+        callback_on_step_end=keep_latents,
+        **pipeline_kwargs(family, workflow, params),
+    ).images[0]
+    return Result(np.array(image), final[0])
 
 
 CASES = [
@@ -186,6 +207,14 @@ CASES = [
     pytest.param("tiny-zimage-inpaint", dict(num_inference_steps=5, strength=0.6), id="zimage-inpaint-0.6"),
     pytest.param(
         "tiny-zimage-inpaint", dict(num_inference_steps=3, strength=1.0, seed=4), id="zimage-inpaint-1.0"
+    ),
+    pytest.param(
+        "tiny-flux2-klein-inpaint", dict(num_inference_steps=5, strength=0.6), id="flux2-klein-inpaint-0.6"
+    ),
+    pytest.param(
+        "tiny-flux2-klein-inpaint",
+        dict(num_inference_steps=3, strength=1.0, guidance_scale=1.0, width=64, seed=4),
+        id="flux2-klein-inpaint-1.0-64x64-no-cfg",
     ),
     pytest.param(
         "tiny-qwenimage-img2img", dict(num_inference_steps=4, strength=0.6), id="qwenimage-img2img-0.6"

@@ -1,0 +1,264 @@
+"""The Flux.2 Klein inpainting ModelFns: what ``Flux2KleinInpaintPipeline.__call__`` ("INP",
+``diffusers/pipelines/flux2/pipeline_flux2_klein_inpaint.py``, diffusers 0.42.1) does beyond
+``Flux2KleinPipeline``. The rest of the workflow is :mod:`libs.models.flux2`'s (``flux2.text_encoder``,
+``flux2.scheduler_step``, ``flux2.vae_decode``):
+
+=============================  ==================================================================
+ModelFn (``fn_name``)          what it mirrors
+=============================  ==================================================================
+``flux2.inpaint_latents``      INP steps 2, 5 and 6: ``image_processor.preprocess``, the timesteps
+                               (``compute_empirical_mu``, ``retrieve_timesteps``, ``get_timesteps``),
+                               ``prepare_latents`` (``_encode_vae_image``: the posterior's mode,
+                               ``_patchify_latents``, the batch-norm statistics; noise, ``scale_noise``
+                               at the first timestep run, packing, ``_prepare_latent_ids``),
+                               ``prepare_image_latents``' ids for the picture as reference tokens
+                               (``_prepare_image_ids``), ``mask_processor`` and
+                               ``prepare_mask_latents`` (bilinear to the patch grid, packed)
+``flux2.inpaint_transformer``  the loop body up to ``noise_pred`` as ``flux2.transformer``, with the
+                               picture's packed latents after the noisy ones
+                               (``torch.cat([latents, condition_image_latents], dim=1)``, their ids
+                               after the latents') and the prediction cut back to the noisy tokens
+``flux2.inpaint_blend``        INP's lines after each ``scheduler.step``: the image latents re-noised
+                               with ``scale_noise`` to the next timestep, then
+                               ``(1 - init_mask) * init_latents_proper + init_mask * latents``
+=============================  ==================================================================
+
+The reference tokens. INP hands ``prepare_image_latents`` the already encoded picture, which has
+``latent_channels * 4`` channels and so is packed as it is: the transformer's condition latents are
+the packed ``image_latents`` the blend reads, one output for both. Their ids have ``t = 10`` (the
+first reference's offset). ``flux2.inpaint_transformer`` is ``flux2.transformer`` fed the
+concatenation: Klein's guidance combines the two passes elementwise, so cutting before or after it
+gives the same bits.
+
+The schedule. INP's ``get_timesteps`` is SD3's: it runs the last ``n - int(n - n * strength)``
+steps, so the workflow's loop has ``fraction="strength"`` and ``rounding="start"`` and its index
+stays a position in the whole schedule; ``set_begin_index(t_start)`` advanced by the iteration is
+what ``flux2.scheduler_step``'s ``set_begin_index(step)`` gives. ``scale_noise`` reads
+``sigmas[begin_index]`` before the first step and ``sigmas[step_index]`` after it;
+``flux2.inpaint_blend`` pins ``begin_index`` at ``step + 1`` on a fresh scheduler for that sigma.
+
+The picture. INP takes its size from the picture (rounded down to a multiple of twice the VAE's
+scale factor; pictures over 1024 x 1024 pixels are first resized to that area) and ignores
+``height`` and ``width``; ``flux2.inpaint_latents`` preprocesses the picture and the mask at the
+request's ``height`` x ``width``, the same calls whenever those are the picture's rounded-down size
+(the equality the tests check). Generator: the posterior's mode draws nothing, so the noise is the
+generator's only draw. The noise, the picture and the mask take the prompt embeddings' dtype (the
+text encoder's). Mask convention: diffusers', white (>= 0.5) repainted; the bilinear resize leaves
+fractions on the mask's edges, as in INP. Not mirrored: ``image_reference`` (further reference
+pictures), ``padding_mask_crop``, latents given as ``image``, user-given ``latents``, custom
+``sigmas``. No torch or diffusers at import time.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from libs.models.common import config_dtype, load_component, run_dtype, vae_scale_factor, with_loads
+from libs.models.flux2 import (
+    Flux2Transformer,
+    _component_class,
+    _latent_ids,
+    _latent_size,
+    _load_config,
+    _set_klein_timesteps,
+)
+from libs.workflow.dag import tail_start
+from libs.workflow.modelfn import ModelFn
+
+if TYPE_CHECKING:
+    import torch
+
+# _prepare_image_ids: the time coordinate of the first reference picture
+_REFERENCE_T = 10
+
+
+def _patchify(latents: torch.Tensor) -> torch.Tensor:
+    """``_patchify_latents``: [B, C, 2H, 2W] -> [B, 4C, H, W], each 2x2 patch a channel group."""
+    b, c, h, w = latents.shape
+    latents = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 1, 3, 5, 2, 4)
+    return latents.reshape(b, c * 4, h // 2, w // 2)
+
+
+def _pack(latents: torch.Tensor) -> torch.Tensor:
+    """``_pack_latents``: [B, C, H, W] -> [B, H*W, C]."""
+    b, c, h, w = latents.shape
+    return latents.reshape(b, c, h * w).permute(0, 2, 1)
+
+
+def _image_ids(latents: torch.Tensor) -> torch.Tensor:
+    """``_prepare_image_ids`` for one reference of batch 1: [1, H*W, 4] int64 (10, row, column, 0)."""
+    import torch
+
+    _, _, height, width = latents.shape
+    t = torch.tensor([_REFERENCE_T]).view(-1)
+    ids = torch.cartesian_prod(t, torch.arange(height), torch.arange(width), torch.arange(1))
+    return ids.unsqueeze(0).expand(1, -1, -1)
+
+
+class Flux2InpaintLatents(ModelFn):
+    """Inpainting's preparation: ``latents`` [1, h*w, 4C] (the encoded picture noised to the first
+    timestep run, packed), ``latent_ids``, ``timesteps`` (the whole schedule), and what the steps
+    read: the packed ``image_latents`` and their ``image_latent_ids``, the packed ``noise`` and
+    ``init_mask`` [1, h*w, 1]."""
+
+    fn_name = "flux2.inpaint_latents"
+
+    def setup_io(self) -> None:
+        for name in ("image", "mask", "seed", "height", "width", "num_inference_steps", "strength"):
+            self.add_input(name)
+        for name in ("latents", "latent_ids", "timesteps", "image_latents", "image_latent_ids", "noise"):
+            self.add_output(name)
+        self.add_output("init_mask")
+
+    def load_model(self, model_path: str, device: str, loader: Any = None) -> dict[str, Any]:
+        from diffusers.pipelines.flux2.image_processor import Flux2ImageProcessor
+
+        vae = load_component(_component_class(model_path, "vae"), model_path, "vae", device, loader)
+        factor = vae_scale_factor(vae.config)
+        latent_channels = vae.config.latent_channels
+        return with_loads(
+            {
+                "vae": vae,
+                "vae_scale_factor": factor,
+                # INP __init__: the processors work at twice the VAE's scale factor (the 2x2 patches)
+                "image_processor": Flux2ImageProcessor(
+                    vae_scale_factor=factor * 2, vae_latent_channels=latent_channels
+                ),
+                "mask_processor": Flux2ImageProcessor(
+                    vae_scale_factor=factor * 2,
+                    vae_latent_channels=latent_channels,
+                    do_normalize=False,
+                    do_binarize=True,
+                    do_convert_rgb=False,
+                    do_convert_grayscale=True,
+                ),
+                "num_channels_latents": int(_load_config(model_path, "transformer")["in_channels"]) // 4,
+                "scheduler_config": _load_config(model_path, "scheduler"),
+                # prepare_latents and prepare_mask_latents take prompt_embeds.dtype: the text encoder's
+                "latents_dtype": config_dtype(model_path, "text_encoder", run_dtype(loader)),
+            }
+        )
+
+    def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
+        import torch
+        from diffusers import FlowMatchEulerDiscreteScheduler
+        from diffusers.pipelines.flux2.pipeline_flux2_klein_inpaint import retrieve_latents
+        from diffusers.utils.torch_utils import randn_tensor
+
+        vae, dtype, factor = components["vae"], components["latents_dtype"], components["vae_scale_factor"]
+        steps, height, width = int(inputs["num_inference_steps"]), int(inputs["height"]), int(inputs["width"])
+        lh, lw = _latent_size(height, width, factor)
+        if lh < 2 or lw < 2:
+            raise ValueError(f"{height}x{width} is smaller than one latent patch")
+        with torch.no_grad():
+            # 2. Preprocess image
+            init_image = components["image_processor"].preprocess(inputs["image"], height=height, width=width)
+            # 5. Prepare timesteps, then get_timesteps
+            scheduler = FlowMatchEulerDiscreteScheduler.from_config(components["scheduler_config"])
+            _set_klein_timesteps(scheduler, steps, (lh // 2) * (lw // 2), device="cpu")
+            t_start = tail_start(steps, float(inputs["strength"]), "start")
+            if t_start >= steps:
+                raise ValueError(
+                    f"strength {inputs['strength']} leaves none of the {steps} steps "
+                    "(num_inference_steps * strength < 1)"
+                )
+            scheduler.set_begin_index(t_start)
+            latent_timestep = scheduler.timesteps[t_start : t_start + 1]
+            # 6. prepare_latents: _encode_vae_image (the mode: no draw), then the generator's only draw
+            image = init_image.to(device=vae.device, dtype=dtype)
+            image_latents = _patchify(retrieve_latents(vae.encode(image), sample_mode="argmax"))
+            bn = vae.bn
+            mean = bn.running_mean.view(1, -1, 1, 1).to(image_latents.device, image_latents.dtype)
+            std = torch.sqrt(bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(
+                image_latents.device, image_latents.dtype
+            )
+            image_latents = (image_latents - mean) / std
+            shape = (1, components["num_channels_latents"] * 4, lh // 2, lw // 2)
+            generator = torch.Generator(device="cpu").manual_seed(int(inputs["seed"]))
+            noise = randn_tensor(shape, generator=generator, device=image_latents.device, dtype=dtype)
+            latents = scheduler.scale_noise(image_latents, latent_timestep, noise)
+            # mask_processor.preprocess, then prepare_mask_latents
+            mask = components["mask_processor"].preprocess(inputs["mask"], height=height, width=width)
+            mask = torch.nn.functional.interpolate(
+                mask, size=(height // (factor * 2), width // (factor * 2)), mode="bilinear"
+            )
+            mask = mask.to(device=latents.device, dtype=dtype)
+        return {
+            "latents": _pack(latents),
+            "latent_ids": _latent_ids(noise),
+            "timesteps": scheduler.timesteps,
+            "image_latents": _pack(image_latents),
+            "image_latent_ids": _image_ids(image_latents),
+            "noise": _pack(noise),
+            "init_mask": _pack(mask),
+        }
+
+
+class Flux2InpaintTransformer(Flux2Transformer):
+    """``flux2.transformer`` with the picture as reference tokens: ``noise_pred`` shaped like
+    ``latents``, predicted over ``latents`` followed by ``image_latents`` (ids ``latent_ids`` then
+    ``image_latent_ids``)."""
+
+    fn_name = "flux2.inpaint_transformer"
+
+    def setup_io(self) -> None:
+        super().setup_io()
+        self.add_input("image_latents")
+        self.add_input("image_latent_ids")
+
+    def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
+        import torch
+
+        latents, latent_ids = inputs["latents"], inputs["latent_ids"]
+        tokens = latents.shape[1]
+        # 7. the loop body: latent_model_input and img_ids with the condition tokens after the latents
+        merged = {
+            **inputs,
+            "latents": torch.cat([latents, inputs["image_latents"].to(latents.device)], dim=1),
+            "latent_ids": torch.cat([latent_ids, inputs["image_latent_ids"].to(latent_ids.device)], dim=1),
+        }
+        noise_pred = super().execute(components, **merged)["noise_pred"]
+        return {"noise_pred": noise_pred[:, :tokens]}
+
+
+class Flux2InpaintBlend(ModelFn):
+    """After step ``step``'s Euler update: ``latents`` = ``(1 - init_mask) * init_latents_proper +
+    init_mask * latents``, ``init_latents_proper`` the image latents noised to the next timestep
+    (as they are at the last step). Needs configs only."""
+
+    fn_name = "flux2.inpaint_blend"
+
+    def setup_io(self) -> None:
+        for name in ("latents", "image_latents", "noise", "init_mask", "timesteps", "step"):
+            self.add_input(name)
+        self.add_input("num_inference_steps")
+        self.add_output("latents")
+
+    def load_model(self, model_path: str, device: str, loader: Any = None) -> dict[str, Any]:
+        return {"scheduler_config": _load_config(model_path, "scheduler")}
+
+    def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
+        import torch
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        latents = inputs["latents"]
+        device = latents.device
+        init_latents_proper = inputs["image_latents"].to(device)
+        init_mask = inputs["init_mask"].to(device)
+        timesteps, step = inputs["timesteps"].to(device), int(inputs["step"])
+        with torch.no_grad():
+            if step < len(timesteps) - 1:
+                steps = int(inputs["num_inference_steps"])
+                scheduler = FlowMatchEulerDiscreteScheduler.from_config(components["scheduler_config"])
+                _set_klein_timesteps(scheduler, steps, latents.shape[1], device=device)
+                if not torch.equal(scheduler.timesteps, timesteps):
+                    raise ValueError(
+                        f"timesteps do not match a {steps}-step schedule for {latents.shape[1]} latent tokens"
+                    )
+                # the pipeline's scheduler is at step_index step + 1 here; scale_noise reads its sigma
+                scheduler.set_begin_index(step + 1)
+                init_latents_proper = scheduler.scale_noise(
+                    init_latents_proper, torch.tensor([timesteps[step + 1]]), inputs["noise"].to(device)
+                )
+            latents = (1 - init_mask) * init_latents_proper + init_mask * latents
+        return {"latents": latents}
