@@ -338,3 +338,28 @@ def test_sd15_img2img_and_inpaint_edits_through_the_stack_equal_the_pipelines(st
         generator=torch.Generator().manual_seed(5), **kw,
     ).images[0]  # fmt: skip
     assert np.array_equal(pixels(got_inpaint["data"][0]["b64_json"]), np.array(want))
+
+
+def test_a_qwenimage_instruction_edit_through_the_stack_equals_the_edit_pipeline(stack, catalog_models):
+    """The instruction edit of a new family, its picture uploaded through ``/v1/images/edits``: the
+    VL encoder with the image, the image latents and the transformer over both, on the executors,
+    equal ``QwenImageEditPipeline``'s image."""
+    import torch
+
+    from tests.unit.model_families import QwenImage
+
+    torch.set_num_threads(1)
+    h = QwenImage(catalog_models)  # the harness over the stack's own models (already built)
+    params = h.request("tiny-qwenimage-edit", num_inference_steps=2, image="in")
+    got = edit(
+        stack,
+        {"image": h.edit_image()},
+        model="tiny-qwenimage-edit",
+        prompt=params["prompt"],
+        seed=params["seed"],
+        size=f"{params['width']}x{params['height']}",
+        num_inference_steps=2,
+        **{f"params[{k}]": params[k] for k in ("negative_prompt", "true_cfg_scale", "max_sequence_length")},
+    )
+    want = h.reference("tiny-qwenimage-edit", params)
+    assert np.array_equal(pixels(got["data"][0]["b64_json"]), want.image)
