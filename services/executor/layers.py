@@ -124,6 +124,7 @@ class VirtualModel:
                     continue
                 seen.add(id(item))
                 self._add_component(item, loaded)
+        self._add_shared_names()
         self.comp_s = [0.0] * len(self.slots)
         if self.device.type == "cuda":
             # Until its first copy lands a layer points at device placeholders, not at the host
@@ -183,6 +184,42 @@ class VirtualModel:
             if slot.tensors and slot.module is not None and _state_only(slot.module):
                 self.direct.append(i)
         self._install_hooks(comp, [s for s in self.slots[comp.first :]])
+
+    def _add_shared_names(self) -> None:
+        """Every other module attribute that holds one of the table's tensors becomes an alias of it,
+        so binding and eviction rebind it too. A model may be handed another component's tensor
+        (``ZImageControlNetModel.from_transformer`` sets the transformer's pad tokens on the
+        ControlNet): left alone, that name would keep the first load's whole host buffer mapped.
+        Such a tensor held directly by a parent (no layer module whose hook waits for it) is loaded
+        before the model runs, as the other module may read it before any of its owner's hooks."""
+        by_value: dict[int, tuple[int, _Tensor]] = {}
+        for i, slot in enumerate(self.slots):
+            for t in slot.tensors:
+                table = t.owner._parameters if t.parameter else t.owner._buffers  # noqa: SLF001 - torch's registry of a module's tensors
+                value = table.get(t.attr)
+                if value is not None:
+                    by_value[id(value)] = (i, t)
+        if not by_value:
+            return
+        visited: set[int] = set()
+        for comp in self.components:
+            for module in comp.module.modules():
+                if id(module) in visited:
+                    continue
+                visited.add(id(module))
+                for parameter, table in ((True, module._parameters), (False, module._buffers)):  # noqa: SLF001 - torch's registry of a module's tensors
+                    for attr, value in table.items():
+                        found = by_value.get(id(value)) if value is not None else None
+                        if found is None or found[1].parameter != parameter:
+                            continue
+                        i, t = found
+                        names = [(t.owner, t.attr), *t.aliases]
+                        if any(owner is module and name == attr for owner, name in names):
+                            continue
+                        t.aliases.append((module, attr))
+                        if self.slots[i].module is None and i not in self.direct:
+                            self.direct.append(i)
+        self.direct.sort()
 
     def sizes(self) -> list[int]:
         return [s.nbytes for s in self.slots]
