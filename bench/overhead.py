@@ -55,7 +55,7 @@ def main() -> int:
     from libs.models.flux_workflows import bench_flux
     from libs.models.tiny_flux import build_flux
     from libs.workflow.spec import encode_spec
-    from services.executor.runtime import encode_png
+    from services.executor.images import encode_png
     from tests.conftest import cleanup_namespace, free_port
 
     torch.set_num_threads(1)

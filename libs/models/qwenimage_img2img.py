@@ -49,7 +49,7 @@ from __future__ import annotations
 from typing import Any
 
 from libs.models.common import config_dtype, load_component, run_dtype, with_loads
-from libs.models.qwenimage import (
+from libs.models.qwenimage_latents import (
     _latent_size,
     _latents_stats,
     _pack_latents,
