@@ -331,7 +331,12 @@ class Flux2PrepareLatents(ModelFn):
 class Flux2Transformer(ModelFn):
     """One denoising step of ``Flux2Transformer2DModel`` with Klein's guidance: ``noise_pred``
     shaped like ``latents``. Optional ``lora`` (safetensors path, ``""`` = none) and
-    ``lora_scale`` (default 1.0)."""
+    ``lora_scale`` (default 1.0). Optional reference tokens ``image_latents`` [1, N, 4C] (packed)
+    and their ``image_latent_ids`` [1, N, 4]: bound, they follow the noisy tokens
+    (``torch.cat([latents, image_latents], dim=1)``, ids after ``latent_ids``) and each pass's
+    prediction is cut back to the noisy tokens, as in the pipelines' loop body when they have
+    ``image_latents`` (Klein's reference images, the inpainting picture); unbound, the step sees the
+    noisy tokens alone."""
 
     fn_name = "flux2.transformer"
 
@@ -343,6 +348,8 @@ class Flux2Transformer(ModelFn):
         self.add_input("prompt_embeds")
         self.add_input("text_ids")
         self.add_input("latent_ids")
+        self.add_input("image_latents", optional=True)
+        self.add_input("image_latent_ids", optional=True)
         self.add_input("lora", optional=True)
         self.add_input("lora_scale", optional=True)
         self.add_output("noise_pred")
@@ -377,11 +384,20 @@ class Flux2Transformer(ModelFn):
             )
         latents = inputs["latents"].to(device)
         latent_ids = inputs["latent_ids"].to(device)
+        image_latents, image_latent_ids = inputs.get("image_latents"), inputs.get("image_latent_ids")
+        if (image_latents is None) != (image_latent_ids is None):
+            raise ValueError("image_latents and image_latent_ids are bound together or not at all")
         with torch.no_grad():
             # 7. Denoising loop body
             t = inputs["timesteps"].to(device)[int(inputs["step"])]
             timestep = t.expand(latents.shape[0]).to(latents.dtype)
             latent_model_input = latents.to(transformer.dtype)
+            if image_latents is not None:
+                # the reference tokens after the noisy ones, their ids after the latents'
+                latent_model_input = torch.cat([latents, image_latents.to(device)], dim=1).to(
+                    transformer.dtype
+                )
+                latent_ids = torch.cat([latent_ids, image_latent_ids.to(device)], dim=1)
 
             def predict(row: int, context: str) -> torch.Tensor:
                 with transformer.cache_context(context):

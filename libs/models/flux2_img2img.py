@@ -1,7 +1,7 @@
 """The Flux.2 Klein inpainting ModelFns: what ``Flux2KleinInpaintPipeline.__call__`` ("INP",
 ``diffusers/pipelines/flux2/pipeline_flux2_klein_inpaint.py``, diffusers 0.42.1) does beyond
 ``Flux2KleinPipeline``. The rest of the workflow is :mod:`libs.models.flux2`'s (``flux2.text_encoder``,
-``flux2.scheduler_step``, ``flux2.vae_decode``):
+``flux2.transformer``, ``flux2.scheduler_step``, ``flux2.vae_decode``):
 
 =============================  ==================================================================
 ModelFn (``fn_name``)          what it mirrors
@@ -14,10 +14,6 @@ ModelFn (``fn_name``)          what it mirrors
                                ``prepare_image_latents``' ids for the picture as reference tokens
                                (``_prepare_image_ids``), ``mask_processor`` and
                                ``prepare_mask_latents`` (bilinear to the patch grid, packed)
-``flux2.inpaint_transformer``  the loop body up to ``noise_pred`` as ``flux2.transformer``, with the
-                               picture's packed latents after the noisy ones
-                               (``torch.cat([latents, condition_image_latents], dim=1)``, their ids
-                               after the latents') and the prediction cut back to the noisy tokens
 ``flux2.inpaint_blend``        INP's lines after each ``scheduler.step``: the image latents re-noised
                                with ``scale_noise`` to the next timestep, then
                                ``(1 - init_mask) * init_latents_proper + init_mask * latents``
@@ -26,9 +22,10 @@ ModelFn (``fn_name``)          what it mirrors
 The reference tokens. INP hands ``prepare_image_latents`` the already encoded picture, which has
 ``latent_channels * 4`` channels and so is packed as it is: the transformer's condition latents are
 the packed ``image_latents`` the blend reads, one output for both. Their ids have ``t = 10`` (the
-first reference's offset). ``flux2.inpaint_transformer`` is ``flux2.transformer`` fed the
-concatenation: Klein's guidance combines the two passes elementwise, so cutting before or after it
-gives the same bits.
+first reference's offset). The loop body is ``flux2.transformer`` itself, which binds them by name
+as its optional reference tokens (``torch.cat([latents, condition_image_latents], dim=1)``, their
+ids after the latents', each pass cut back to the noisy tokens): one transformer for the plain and
+the inpainting workflows.
 
 The schedule. INP's ``get_timesteps`` is SD3's: it runs the last ``n - int(n - n * strength)``
 steps, so the workflow's loop has ``fraction="strength"`` and ``rounding="start"`` and its index
@@ -55,7 +52,6 @@ from typing import TYPE_CHECKING, Any
 
 from libs.models.common import config_dtype, load_component, run_dtype, vae_scale_factor, with_loads
 from libs.models.flux2 import (
-    Flux2Transformer,
     _component_class,
     _latent_ids,
     _latent_size,
@@ -192,33 +188,6 @@ class Flux2InpaintLatents(ModelFn):
             "noise": _pack(noise),
             "init_mask": _pack(mask),
         }
-
-
-class Flux2InpaintTransformer(Flux2Transformer):
-    """``flux2.transformer`` with the picture as reference tokens: ``noise_pred`` shaped like
-    ``latents``, predicted over ``latents`` followed by ``image_latents`` (ids ``latent_ids`` then
-    ``image_latent_ids``)."""
-
-    fn_name = "flux2.inpaint_transformer"
-
-    def setup_io(self) -> None:
-        super().setup_io()
-        self.add_input("image_latents")
-        self.add_input("image_latent_ids")
-
-    def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
-        import torch
-
-        latents, latent_ids = inputs["latents"], inputs["latent_ids"]
-        tokens = latents.shape[1]
-        # 7. the loop body: latent_model_input and img_ids with the condition tokens after the latents
-        merged = {
-            **inputs,
-            "latents": torch.cat([latents, inputs["image_latents"].to(latents.device)], dim=1),
-            "latent_ids": torch.cat([latent_ids, inputs["image_latent_ids"].to(latent_ids.device)], dim=1),
-        }
-        noise_pred = super().execute(components, **merged)["noise_pred"]
-        return {"noise_pred": noise_pred[:, :tokens]}
 
 
 class Flux2InpaintBlend(ModelFn):

@@ -7,7 +7,8 @@
   transformer binds by name.
 * ``tiny-flux2-klein-inpaint`` (:func:`flux2_inpaint_workflow`): ``Flux2KleinInpaintPipeline``, from
   an ``image`` and a ``mask``; its loop runs only the last steps of the schedule (``strength``), the
-  transformer sees the picture as reference tokens and the kept region is blended back after every
+  transformer (the same ``flux2.transformer``) binds the picture's ``image_latents`` and
+  ``image_latent_ids`` by name as reference tokens and the kept region is blended back after every
   step (:mod:`libs.models.flux2_img2img`).
 
 Klein has no ControlNet pipeline (:mod:`libs.models.flux2_controlnet`), so of the four variants of
@@ -31,7 +32,7 @@ from libs.models.flux2 import (
     Flux2Transformer,
     Flux2VaeDecode,
 )
-from libs.models.flux2_img2img import Flux2InpaintBlend, Flux2InpaintLatents, Flux2InpaintTransformer
+from libs.models.flux2_img2img import Flux2InpaintBlend, Flux2InpaintLatents
 from libs.workflow.compose import Value, Workflow
 from libs.workflow.modelfn import ModelFn
 from libs.workflow.spec import ParamSpec, WorkflowSpec
@@ -45,7 +46,6 @@ MODELFNS: list[type[ModelFn]] = [
     Flux2SchedulerStep,
     Flux2VaeDecode,
     Flux2InpaintLatents,
-    Flux2InpaintTransformer,
     Flux2InpaintBlend,
 ]
 
@@ -159,7 +159,7 @@ def flux2_inpaint_workflow(
     width, height = (int(x) for x in sizes[0].split("x"))
     text = Flux2TextEncoder(model, id="text")
     prepare = Flux2InpaintLatents(model, id="prepare")
-    transformer = Flux2InpaintTransformer(model, id="transformer")
+    transformer = Flux2Transformer(model, id="transformer")
     scheduler = Flux2SchedulerStep(model, id="scheduler")
     blend = Flux2InpaintBlend(model, id="blend")
     vae = Flux2VaeDecode(model, id="vae")

@@ -537,11 +537,13 @@ EXPECTED_IO: dict[str, dict[str, tuple[dict[str, bool], list[str], list[str]]]] 
                 "prompt_embeds": False,
                 "text_ids": False,
                 "latent_ids": False,
+                "image_latents": False,
+                "image_latent_ids": False,
                 "lora": False,
                 "lora_scale": False,
             },
             ["noise_pred"],
-            ["lora", "lora_scale"],
+            ["image_latents", "image_latent_ids", "lora", "lora_scale"],
         ),
         "flux2.scheduler_step": (
             {
@@ -571,23 +573,6 @@ EXPECTED_IO: dict[str, dict[str, tuple[dict[str, bool], list[str], list[str]]]] 
             },
             ["latents", "latent_ids", "timesteps", "image_latents", "image_latent_ids", "noise", "init_mask"],
             [],
-        ),
-        "flux2.inpaint_transformer": (
-            {
-                "latents": False,
-                "timesteps": False,
-                "step": False,
-                "guidance_scale": False,
-                "prompt_embeds": False,
-                "text_ids": False,
-                "latent_ids": False,
-                "lora": False,
-                "lora_scale": False,
-                "image_latents": False,
-                "image_latent_ids": False,
-            },
-            ["noise_pred"],
-            ["lora", "lora_scale"],
         ),
         "flux2.inpaint_blend": (
             {

@@ -74,7 +74,7 @@ IMG2IMG_FNS = {
     "sd": {"sd.vae_encode", "sd.inpaint_latents", "sd.inpaint_blend"},
     "sd3": {"sd3.vae_encode", "sd3.inpaint_latents", "sd3.inpaint_blend", "sd3.inpaint_vae_decode"},
     "zimage": {"zimage.vae_encode", "zimage.inpaint_latents", "zimage.inpaint_blend"},
-    "flux2": {"flux2.inpaint_latents", "flux2.inpaint_transformer", "flux2.inpaint_blend"},
+    "flux2": {"flux2.inpaint_latents", "flux2.inpaint_blend"},
     "qwenimage": {"qwenimage.vae_encode", "qwenimage.inpaint_latents", "qwenimage.inpaint_blend"},
 }
 # The ModelFns only the ControlNet pipeline has: in libs.models.{family}_controlnet.

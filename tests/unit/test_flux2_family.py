@@ -249,3 +249,28 @@ def test_a_workflow_loaded_at_bf16_equals_the_pipeline_loaded_at_bf16_bitwise(h:
     assert got.latents is not None and got.latents.dtype == torch.bfloat16
     assert torch.equal(got.latents, expected.latents) and np.array_equal(got.image, expected.image)
     assert {p.dtype for p in transformer.parameters()} == {torch.bfloat16}
+
+
+def test_the_plain_and_inpaint_workflows_run_one_transformer_which_binds_the_reference_tokens_by_name() -> (
+    None
+):
+    """Inpainting's picture reaches ``flux2.transformer`` as its optional reference tokens, so a
+    plain and an inpainting request load the same (fn, model) instead of a second transformer."""
+    from libs.workflow.dag import TensorSource, unroll
+    from libs.workflow.params import resolve_params
+
+    specs = {s.name: s for s in flux2_workflows.workflows()}
+    given = {"prompt": "x", "image": "init", "mask": "mask", "num_inference_steps": 3}
+    steps = {}
+    for name in ("tiny-flux2-klein", "tiny-flux2-klein-inpaint"):
+        spec = specs[name]
+        dag = unroll(spec, resolve_params(spec, {k: v for k, v in given.items() if k in spec.params}))
+        steps[name] = [n for n in dag.nodes.values() if n.fn == "flux2.transformer"]
+
+    assert {(n.fn, n.model) for ns in steps.values() for n in ns} == {
+        ("flux2.transformer", "tiny-flux2-klein")
+    }
+    assert all("image_latents" not in n.inputs for n in steps["tiny-flux2-klein"])
+    for node in steps["tiny-flux2-klein-inpaint"]:
+        assert node.inputs["image_latents"] == TensorSource("prepare", "image_latents")
+        assert node.inputs["image_latent_ids"] == TensorSource("prepare", "image_latent_ids")

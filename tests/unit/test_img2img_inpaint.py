@@ -33,7 +33,7 @@ WORKFLOWS = {
     "tiny-sd3-inpaint": ("sd3", "StableDiffusion3InpaintPipeline", "sd3.transformer"),
     "tiny-zimage-img2img": ("zimage", "ZImageImg2ImgPipeline", "zimage.transformer"),
     "tiny-zimage-inpaint": ("zimage", "ZImageInpaintPipeline", "zimage.transformer"),
-    "tiny-flux2-klein-inpaint": ("flux2", "Flux2KleinInpaintPipeline", "flux2.inpaint_transformer"),
+    "tiny-flux2-klein-inpaint": ("flux2", "Flux2KleinInpaintPipeline", "flux2.transformer"),
     "tiny-qwenimage-img2img": ("qwenimage", "QwenImageImg2ImgPipeline", "qwenimage.transformer"),
     "tiny-qwenimage-inpaint": ("qwenimage", "QwenImageInpaintPipeline", "qwenimage.transformer"),
 }
