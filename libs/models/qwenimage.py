@@ -3,8 +3,8 @@
 
 Each class mirrors one stretch of ``diffusers/pipelines/qwenimage/pipeline_qwenimage.py`` or
 ``pipeline_qwenimage_edit.py`` (diffusers 0.42.1) and runs it on its own, so a workflow of these
-nodes reproduces the monolithic pipelines' images bitwise. The family has no ControlNet nodes yet
-(:mod:`libs.models.qwenimage_controlnet` is empty).
+nodes reproduces the monolithic pipelines' images bitwise. The ControlNet pipeline's own stretches
+are :mod:`libs.models.qwenimage_controlnet`'s.
 
 ===============================  ================================================================
 ModelFn (``fn_name``)            what it mirrors
@@ -18,10 +18,14 @@ ModelFn (``fn_name``)            what it mirrors
                                  ``preprocess``) and the image half of ``prepare_latents``
                                  (``_encode_vae_image``: argmax latents, mean/std, packing)
 ``qwenimage.prepare_latents``    step 4 ``prepare_latents`` (noise, 2x2 packing) and step 5 (sigmas,
-                                 ``calculate_shift``'s ``mu``, ``retrieve_timesteps``)
+                                 ``calculate_shift``'s ``mu``, ``retrieve_timesteps``); with
+                                 ``generator_state`` bound, the noise continues the ControlNet
+                                 encoder's generator
 ``qwenimage.transformer``        the loop body up to ``noise_pred``: the conditional pass, the
                                  unconditional one and the true-CFG combination with its norm
-                                 rescaling; with ``image_latents`` bound, the edit's concatenation
+                                 rescaling; with ``image_latents`` bound, the edit's concatenation;
+                                 with ``controlnet_block_samples`` bound (a callback input, fetched
+                                 inside the forward), the ControlNet's residuals in both passes
 ``qwenimage.scheduler_step``     the loop's ``self.scheduler.step(noise_pred, t, latents)``, stateless
 ``qwenimage.vae_decode``         the tail: ``_unpack_latents`` (5-D), latents mean/std, ``decode``
 ===============================  ================================================================
@@ -60,7 +64,8 @@ where torchvision is missing.
 Dtypes follow the pipelines as loaded by ``from_pretrained`` without ``torch_dtype``: the noise and
 the VAE input image take the text encoder's dtype (``prompt_embeds.dtype``), read from its config.
 Noise is drawn on the CPU from ``torch.Generator("cpu").manual_seed(seed)``, its only draw (the
-edit's VAE encoding takes the latent distribution's mode and draws nothing).
+edit's VAE encoding takes the latent distribution's mode and draws nothing) except in the ControlNet
+pipeline, which samples the control image's posterior first (``generator_state``).
 
 No torch, diffusers or transformers at import time; ``load_model`` puts models on its ``device``.
 """
@@ -71,6 +76,7 @@ from typing import TYPE_CHECKING, Any
 
 from libs.models.common import (
     config_dtype,
+    lazy_list,
     load_component,
     run_dtype,
     to_uint8_image,
@@ -327,7 +333,11 @@ class QwenImageEditImageEncode(ModelFn):
 
 
 class QwenImagePrepareLatents(ModelFn):
-    """Initial noise and schedule: ``latents`` [1, seq, 4C] (packed) and ``timesteps``. Configs only."""
+    """Initial noise and schedule: ``latents`` [1, seq, 4C] (packed) and ``timesteps``. Configs only.
+
+    ``generator_state`` (optional): the request generator's state after ``qwenimage.control_encode``
+    sampled from it; when bound, the noise continues from it (the ControlNet pipeline's draw order)
+    instead of from a generator freshly seeded with ``seed``."""
 
     fn_name = "qwenimage.prepare_latents"
 
@@ -336,6 +346,7 @@ class QwenImagePrepareLatents(ModelFn):
         self.add_input("height")
         self.add_input("width")
         self.add_input("num_inference_steps")
+        self.add_input("generator_state", optional=True)
         self.add_output("latents")
         self.add_output("timesteps")
 
@@ -363,8 +374,13 @@ class QwenImagePrepareLatents(ModelFn):
         height, width = _latent_size(inputs["height"], inputs["width"], components["vae_scale_factor"])
         channels = components["num_channels_latents"]
         with torch.no_grad():
-            # 4. prepare_latents: the generator's only draw, [1, 1, C, H, W], then packing
-            generator = torch.Generator(device="cpu").manual_seed(int(inputs["seed"]))
+            # 4. prepare_latents: [1, 1, C, H, W] drawn (after the ControlNet's sample), then packing
+            generator = torch.Generator(device="cpu")
+            state = inputs.get("generator_state")
+            if state is None:
+                generator.manual_seed(int(inputs["seed"]))
+            else:
+                generator.set_state(state.to(device="cpu", dtype=torch.uint8).contiguous())
             noise = randn_tensor(
                 (1, 1, channels, height, width),
                 generator=generator,
@@ -381,7 +397,8 @@ class QwenImagePrepareLatents(ModelFn):
 class QwenImageTransformer(ModelFn):
     """One denoising step with true CFG: ``noise_pred`` shaped like ``latents``. With the edit's
     ``image_latents`` and ``image_shape`` bound, the image tokens follow the noise and are cut off
-    the prediction."""
+    the prediction. ``controlnet_block_samples`` (callback) is handed to both passes' forward.
+    The loop body of ``QwenImageControlNetPipeline`` is the same but for that argument."""
 
     fn_name = "qwenimage.transformer"
 
@@ -398,6 +415,7 @@ class QwenImageTransformer(ModelFn):
         self.add_input("negative_prompt_embeds_mask")
         self.add_input("image_latents", optional=True)
         self.add_input("image_shape", optional=True)
+        self.add_input("controlnet_block_samples", callback=True, optional=True)
         self.add_input("lora", optional=True)
         self.add_input("lora_scale", optional=True)
         self.add_output("noise_pred")
@@ -437,6 +455,10 @@ class QwenImageTransformer(ModelFn):
             ih, iw = (int(x) for x in inputs["image_shape"])
             img_shapes.append((1, ih, iw))
         true_cfg_scale = float(inputs["true_cfg_scale"])
+        block_samples = lazy_list(
+            inputs.get("controlnet_block_samples"), lambda samples: [x.to(device) for x in samples]
+        )
+        control = {} if block_samples is None else {"controlnet_block_samples": block_samples}
 
         def mask_of(mask: torch.Tensor) -> torch.Tensor | None:
             return None if mask.all() else mask.to(device)  # encode_prompt drops an all-ones mask
@@ -457,6 +479,7 @@ class QwenImageTransformer(ModelFn):
                         img_shapes=[img_shapes],
                         attention_kwargs={},
                         return_dict=False,
+                        **control,
                     )[0]
                 return out[:, : latents.size(1)] if image_latents is not None else out
 

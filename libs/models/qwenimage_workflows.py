@@ -3,8 +3,15 @@
 * ``tiny-qwenimage``: the Qwen2.5-VL text encoder (prompt and negative prompt), latent
   preparation, the transformer (both true-CFG passes and their combination in one node) then the
   scheduler step once per denoising step, then the 5-D VAE decode.
-* ``tiny-qwenimage-lora``: the same with the ``lora`` and ``lora_scale`` parameters, which the
-  transformer binds by name.
+* ``tiny-qwenimage-controlnet``: ``QwenImageControlNetPipeline`` on its folder (every node runs on
+  it): ``qwenimage.control_encode`` samples the ``control_image``'s latents once and hands its
+  generator state to the latent preparation (the pipeline's draw order); every step runs
+  ``qwenimage.controlnet`` in parallel with the transformer, which binds its block samples by name
+  as a callback input. Parameters ``control_image`` and ``control_scale``
+  (``controlnet_conditioning_scale``, default 1.0).
+* ``tiny-qwenimage-lora`` / ``tiny-qwenimage-controlnet-lora``: the same with the ``lora`` and
+  ``lora_scale`` parameters, which the transformer binds by name (the ControlNet runs without the
+  adapter, as the pipeline's ``load_lora_weights`` loads into the transformer only).
 * ``tiny-qwenimage-edit``: ``QwenImageEditPipeline``, an instruction edit of the ``image``
   parameter (the picture uploaded to ``/v1/images/edits``): the VL text encoder sees the prompt with
   the image, ``qwenimage.edit_image_encode`` VAE-encodes the image once, and the transformer binds
@@ -15,7 +22,7 @@
   only the last steps of the schedule (``strength``), and inpainting blends the kept region back
   after every Euler step (:mod:`libs.models.qwenimage_img2img`).
 
-There is no ControlNet variant (:mod:`libs.models.qwenimage_controlnet` is empty). Defaults are
+The generation variants come from :func:`libs.models.common.variant_workflows`. Defaults are
 the pipelines' (``true_cfg_scale`` 4.0, ``max_sequence_length`` 512) except the tiny models' steps
 and sizes; ``negative_prompt`` defaults to ``""``, which the pipelines take as a negative prompt, so
 true CFG is on iff ``true_cfg_scale > 1``.
@@ -25,7 +32,7 @@ This module imports no torch: composing only records names and references.
 
 from __future__ import annotations
 
-from libs.models.common import edit_params, lora_params
+from libs.models.common import Variant, controlnet_params, edit_params, lora_params, variant_workflows
 from libs.models.qwenimage import (
     QwenImageEditImageEncode,
     QwenImageEditTextEncoder,
@@ -35,18 +42,21 @@ from libs.models.qwenimage import (
     QwenImageTransformer,
     QwenImageVaeDecode,
 )
+from libs.models.qwenimage_controlnet import QwenImageControlEncode, QwenImageControlNet
 from libs.models.qwenimage_img2img import QwenImageInpaintBlend, QwenImageInpaintLatents, QwenImageVaeEncode
 from libs.workflow.compose import Value, Workflow
 from libs.workflow.modelfn import ModelFn
 from libs.workflow.spec import ParamSpec, WorkflowSpec
 
-# Every Qwen-Image ModelFn (libs.models.qwenimage and qwenimage_img2img; qwenimage_controlnet has none), for
-# the catalog (entry points) and tests.
+# Every Qwen-Image ModelFn (libs.models.qwenimage, qwenimage_controlnet and qwenimage_img2img), for the
+# catalog (entry points) and tests.
 MODELFNS: list[type[ModelFn]] = [
     QwenImageTextEncoder,
     QwenImageEditTextEncoder,
     QwenImageEditImageEncode,
     QwenImagePrepareLatents,
+    QwenImageControlEncode,
+    QwenImageControlNet,
     QwenImageTransformer,
     QwenImageSchedulerStep,
     QwenImageVaeDecode,
@@ -89,17 +99,23 @@ def qwenimage_workflow(
     sizes: list[str],
     steps: int = 50,
     max_sequence_length: int = 512,
+    controlnet: bool = False,
     lora: bool = False,
     edit: bool = False,
     description: str = "",
 ) -> WorkflowSpec:
-    """``model``: a Qwen-Image pipeline folder (a ``QwenImageEditPipeline`` one for ``edit``)."""
+    """``model``: a Qwen-Image pipeline folder (a ``QwenImageControlNetPipeline`` one for
+    ``controlnet``, a ``QwenImageEditPipeline`` one for ``edit``)."""
+    if controlnet and edit:
+        raise ValueError("the Qwen-Image edit pipeline has no ControlNet variant")
     width, height = (int(x) for x in sizes[0].split("x"))
     params = qwenimage_params(
         width=width, height=height, steps=steps, max_sequence_length=max_sequence_length
     )
     if edit:
         params["image"] = ParamSpec(type="image", required=True, description="the picture to edit, RGB")
+    if controlnet:
+        params.update(controlnet_params())
     if lora:
         params.update(lora_params())
     text = (QwenImageEditTextEncoder if edit else QwenImageTextEncoder)(model, id="text")
@@ -111,10 +127,15 @@ def qwenimage_workflow(
         text()  # prompt, negative_prompt, true_cfg_scale, max_sequence_length (and image)
         if edit:
             QwenImageEditImageEncode(model, id="image_encode")()  # image
-        init = prepare()  # seed, height, width, num_inference_steps
+        if controlnet:
+            QwenImageControlEncode(model, id="control")()  # control_image, seed, height, width
+        init = prepare()  # seed, height, width, num_inference_steps (and generator_state)
 
         def denoise(step: Value, latents: Value) -> object:
-            # embeddings, image_latents/image_shape (edit), lora, lora_scale: bound by name
+            if controlnet:
+                QwenImageControlNet(model, id="controlnet")(latents=latents)
+            # embeddings, image_latents/image_shape (edit), the ControlNet's block samples, lora,
+            # lora_scale: bound by name
             noise_pred = transformer(latents=latents)
             return scheduler(noise_pred=noise_pred, latents=latents)
 
@@ -171,13 +192,24 @@ def qwenimage_img2img_workflow(
     return wf.spec()
 
 
-def workflows(model: str = "tiny-qwenimage", edit_model: str = "tiny-qwenimage-edit") -> list[WorkflowSpec]:
-    """The tiny Qwen-Image family: plain, with LoRA, the instruction edit, img2img and inpainting.
-    ``model`` is a ``QwenImagePipeline`` folder, ``edit_model`` a ``QwenImageEditPipeline`` one;
-    :func:`libs.models.tiny_qwenimage.build` builds both."""
+def workflows(
+    model: str = "tiny-qwenimage",
+    edit_model: str = "tiny-qwenimage-edit",
+    controlnet_model: str = "tiny-qwenimage-controlnet",
+) -> list[WorkflowSpec]:
+    """The tiny Qwen-Image family: plain, with ControlNet, LoRA or both, the instruction edit,
+    img2img and inpainting. ``model`` is a ``QwenImagePipeline`` folder, ``edit_model`` a
+    ``QwenImageEditPipeline`` one and ``controlnet_model`` a ``QwenImageControlNetPipeline`` one;
+    :func:`libs.models.tiny_qwenimage.build` builds all three."""
 
     def tiny(
-        name: str, folder: str, description: str, *, lora: bool = False, edit: bool = False
+        name: str,
+        folder: str,
+        description: str,
+        *,
+        controlnet: bool = False,
+        lora: bool = False,
+        edit: bool = False,
     ) -> WorkflowSpec:
         return qwenimage_workflow(
             name,
@@ -185,14 +217,18 @@ def workflows(model: str = "tiny-qwenimage", edit_model: str = "tiny-qwenimage-e
             sizes=TINY_SIZES,
             steps=4,
             max_sequence_length=64,
+            controlnet=controlnet,
             lora=lora,
             edit=edit,
             description=description,
         )
 
+    def variant(name: str, v: Variant, description: str) -> WorkflowSpec:
+        folder = controlnet_model if v.controlnet else model
+        return tiny(name, folder, description, controlnet=v.controlnet, lora=v.lora)
+
     return [
-        tiny("tiny-qwenimage", model, DESCRIPTION),
-        tiny("tiny-qwenimage-lora", model, f"{DESCRIPTION} with LoRA", lora=True),
+        *variant_workflows("tiny-qwenimage", DESCRIPTION, variant),
         tiny("tiny-qwenimage-edit", edit_model, EDIT_DESCRIPTION, edit=True),
         *(
             qwenimage_img2img_workflow(

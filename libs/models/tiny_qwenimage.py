@@ -1,6 +1,6 @@
 """Qwen-Image pipelines built from configs with random weights, for tests (no hub, no downloads).
 
-``build(out_root)`` writes three things under ``out_root`` and returns their paths by name:
+``build(out_root)`` writes four things under ``out_root`` and returns their paths by name:
 
 * ``tiny-qwenimage``: a ``QwenImagePipeline`` folder (``save_pretrained`` layout: ``tokenizer``,
   ``text_encoder``, ``transformer``, ``vae``, ``scheduler``).
@@ -8,6 +8,8 @@
   (bit-identical weights, so one LoRA serves both) plus ``processor``: the VL processor's tokenizer
   and image processor, as ``Qwen2VLProcessor.save_pretrained`` writes them less the video
   processor (which needs torchvision; :func:`libs.models.qwenimage.vl_processor` reads the folder).
+* ``tiny-qwenimage-controlnet``: a ``QwenImageControlNetPipeline`` folder, the base components
+  (bit-identical) plus ``controlnet``.
 * ``tiny-qwenimage-style``: ``loras/tiny-qwenimage-style.safetensors``, a LoRA on the
   transformer's attention projections saved with ``QwenImagePipeline.save_lora_weights``.
 
@@ -30,6 +32,10 @@ The components, sized as diffusers' own QwenImage tests size theirs, but built h
 * VAE: an ``AutoencoderKLQwenImage`` with ``z_dim`` 4, base width 8 and three downsamplings
   (``vae_scale_factor`` 8, so the edit's 1024x1024 input is 64x64 packed tokens), and non-trivial
   ``latents_mean``/``latents_std`` so the (un)normalisation is exercised.
+* ControlNet: a 1-block ``QwenImageControlNetModel`` of the transformer's width, so its one block
+  sample is added after both transformer blocks (the forward's ``interval_control`` is 2). Its
+  ``controlnet_blocks`` and ``controlnet_x_embedder`` are zero-initialised by design (a fresh
+  ControlNet changes nothing) and re-drawn here, or the ControlNet tests would prove nothing.
 * Scheduler: ``FlowMatchEulerDiscreteScheduler`` with Qwen-Image's dynamic shifting settings.
 * LoRA: rank 4, ``lora_alpha`` 4 on ``to_q``/``to_k``/``to_v``/``to_out.0`` and the text stream's
   ``add_q_proj``/``add_k_proj``/``add_v_proj``/``to_add_out``; ``lora_B`` drawn at random (peft's
@@ -48,6 +54,7 @@ from libs.models.build_utils import (
     build_file,
     build_folder,
     random_lora_,
+    randomize_,
     read_manifest,
     sidecar_path,
 )
@@ -56,6 +63,7 @@ FAMILY = "qwenimage"
 PRESET = "tiny"
 BASE_NAME = "tiny-qwenimage"
 EDIT_NAME = "tiny-qwenimage-edit"
+CONTROLNET_NAME = "tiny-qwenimage-controlnet"
 LORA_NAME = "tiny-qwenimage-style"
 
 _TEXT_DIM = 16
@@ -82,6 +90,11 @@ _TRANSFORMER: dict[str, Any] = dict(
     guidance_embeds=False,
     axes_dims_rope=(8, 4, 4),
 )
+_CONTROLNET: dict[str, Any] = {
+    **{k: v for k, v in _TRANSFORMER.items() if k != "guidance_embeds"},
+    "num_layers": 1,
+    "extra_condition_channels": 0,
+}
 _VAE: dict[str, Any] = dict(
     base_dim=8,
     z_dim=_Z_DIM,
@@ -123,6 +136,7 @@ def is_built(out_root: str | os.PathLike[str], seed: int = 0) -> bool:
     return (
         read_manifest(root / BASE_NAME / MANIFEST) == manifest_for("pipeline", seed)
         and read_manifest(root / EDIT_NAME / MANIFEST) == manifest_for("edit-pipeline", seed)
+        and read_manifest(root / CONTROLNET_NAME / MANIFEST) == manifest_for("controlnet-pipeline", seed)
         and lora_path(root).is_file()
         and read_manifest(_lora_manifest_path(root)) == manifest_for("lora", seed)
     )
@@ -201,6 +215,18 @@ def qwenimage_pipeline(seed: int = 0) -> Any:
     return QwenImagePipeline(**components(seed))
 
 
+def controlnet_model(seed: int = 0) -> Any:
+    """The ControlNet, drawn from ``torch.manual_seed(seed + 2)``, its zero layers re-drawn."""
+    import torch
+    from diffusers import QwenImageControlNetModel
+
+    torch.manual_seed(seed + 2)
+    controlnet = QwenImageControlNetModel(**_CONTROLNET)
+    zeroed = [*controlnet.controlnet_blocks.parameters(), *controlnet.controlnet_x_embedder.parameters()]
+    randomize_(zeroed, seed=seed + 3, std=0.3)
+    return controlnet.eval()
+
+
 def lora_state_dict(transformer: Any, seed: int = 0) -> tuple[dict[str, Any], dict[str, Any]]:
     """A random non-zero LoRA for ``transformer`` (left unchanged): (peft state dict, LoraConfig dict)."""
     import copy
@@ -232,6 +258,12 @@ def _save_edit(tmp: Path, seed: int) -> None:
     index_path.write_text(json.dumps(dict(sorted(index.items())), indent=2) + "\n")
 
 
+def _save_controlnet(tmp: Path, seed: int) -> None:
+    from diffusers import QwenImageControlNetPipeline
+
+    QwenImageControlNetPipeline(**components(seed), controlnet=controlnet_model(seed)).save_pretrained(tmp)
+
+
 def _save_lora(out_root: Path, seed: int) -> Path:
     path = lora_path(out_root)
 
@@ -259,8 +291,13 @@ def build(out_root: str | os.PathLike[str], seed: int = 0) -> dict[str, Path]:
     edit = build_folder(
         root / EDIT_NAME, manifest_for("edit-pipeline", seed), lambda tmp: _save_edit(tmp, seed)
     )
+    controlnet = build_folder(
+        root / CONTROLNET_NAME,
+        manifest_for("controlnet-pipeline", seed),
+        lambda tmp: _save_controlnet(tmp, seed),
+    )
     lora = _save_lora(root, seed)
-    return {BASE_NAME: base, EDIT_NAME: edit, LORA_NAME: lora}
+    return {BASE_NAME: base, EDIT_NAME: edit, CONTROLNET_NAME: controlnet, LORA_NAME: lora}
 
 
 if __name__ == "__main__":

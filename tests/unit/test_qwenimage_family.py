@@ -48,6 +48,18 @@ def h(tmp_path_factory: pytest.TempPathFactory) -> QwenImage:
         pytest.param("tiny-qwenimage-lora", dict(lora_scale=0.8), id="lora-0.8"),
         pytest.param("tiny-qwenimage-lora", dict(lora_scale=-1.5, true_cfg_scale=2.5), id="lora-negative"),
         pytest.param("tiny-qwenimage-lora", dict(lora=""), id="lora-none"),
+        pytest.param("tiny-qwenimage-controlnet", {}, id="controlnet-true-cfg"),
+        pytest.param(
+            "tiny-qwenimage-controlnet",
+            dict(control_scale=0.0, seed=3),
+            id="controlnet-scale-0-still-draws-first",
+        ),
+        pytest.param(
+            "tiny-qwenimage-controlnet",
+            dict(control_scale=2.5, true_cfg_scale=1.0, height=72, width=40),
+            id="controlnet-2.5-no-cfg-floored",
+        ),
+        pytest.param("tiny-qwenimage-controlnet-lora", dict(lora_scale=-0.7), id="controlnet-lora-negative"),
         pytest.param("tiny-qwenimage-edit", {}, id="edit-true-cfg"),
         pytest.param(
             "tiny-qwenimage-edit", dict(height=96, width=64, true_cfg_scale=1.0), id="edit-96x64-no-cfg"
@@ -89,6 +101,52 @@ def test_edits_of_different_pictures_differ_and_each_equals_the_pipeline(h: Qwen
         images.append(got.image)
 
     assert not np.array_equal(images[0], images[1])
+
+
+def test_the_control_encoder_samples_first_and_the_noise_continues_its_generator(h: QwenImage) -> None:
+    from libs.models.qwenimage_controlnet import QwenImageControlEncode
+
+    model = str(h.paths["tiny-qwenimage-controlnet"])
+    encode, prepare = QwenImageControlEncode(), qwenimage.QwenImagePrepareLatents()
+    enc = encode.execute(
+        encode.load_model(model, "cpu"), control_image=h.control_image(), seed=5, height=64, width=96
+    )
+    components = prepare.load_model(model, "cpu")
+    seeded = prepare.execute(components, seed=5, height=64, width=96, num_inference_steps=2)
+    continued = prepare.execute(
+        components, seed=5, height=64, width=96, num_inference_steps=2, generator_state=enc["generator_state"]
+    )
+    pipe = h.pipeline("tiny-qwenimage-controlnet", False)
+    generator = torch.Generator().manual_seed(5)
+    pixels = pipe.prepare_image(h.control_image(), 96, 64, 1, 1, "cpu", torch.float32).unsqueeze(2)
+    with torch.no_grad():
+        sample = pipe.vae.encode(pixels).latent_dist.sample(generator)
+    noise = pipe.prepare_latents(1, 4, 64, 96, torch.float32, "cpu", generator)
+
+    assert enc["control_latents"].shape == (1, 4 * 6, 16)
+    assert torch.equal(continued["latents"], noise)
+    assert not torch.equal(seeded["latents"], noise), "the ControlNet's sample comes first"
+    assert sample.shape == (1, 4, 1, 8, 12)
+
+
+def test_an_inpainting_controlnet_is_refused_at_load(h: QwenImage, tmp_path: Path) -> None:
+    import shutil
+
+    from diffusers import QwenImageControlNetModel
+
+    from libs.models.qwenimage_controlnet import QwenImageControlNet
+
+    model = tmp_path / "inpaint-controlnet"
+    shutil.copytree(h.paths["tiny-qwenimage-controlnet"], model)
+    config = QwenImageControlNetModel.load_config(model, subfolder="controlnet")
+    QwenImageControlNetModel.from_config({**config, "extra_condition_channels": 4}).save_pretrained(
+        model / "controlnet"
+    )
+
+    with pytest.raises(ValueError, match="extra_condition_channels"):
+        QwenImageControlNet().load_model(str(model), "cpu")
+    with pytest.raises(ValueError, match="QwenImageControlNetPipeline folder"):
+        QwenImageControlNet().load_model(str(h.paths["tiny-qwenimage"]), "cpu")
 
 
 def test_the_text_encoder_is_encode_prompt(h: QwenImage) -> None:
