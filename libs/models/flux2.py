@@ -16,18 +16,21 @@ ModelFn (``fn_name``)         what it mirrors
                               ``retrieve_timesteps``)
 ``flux2.transformer``         the loop body up to ``noise_pred``: the conditional pass, the
                               unconditional one and their combination when guiding, with LoRA
+                              and, when bound, the reference tokens (``image_latents``)
 ``flux2.scheduler_step``      the loop's ``self.scheduler.step(noise_pred, t, latents)``, stateless
 ``flux2.vae_decode``          the tail: ``_unpack_latents_with_ids``, the batch-norm statistics,
                               ``_unpatchify_latents``, ``vae.decode``, postprocess
 ============================  ===================================================================
 
 The denoising loop is the workflow's. Batch size and ``num_images_per_prompt`` are 1 (the platform
-never batches requests: batching changes the bits). Not mirrored: reference images (``image=``,
-Klein's multi-reference editing: they would add ``image_latents`` / ``image_latent_ids`` to the
-transformer's tokens), user-supplied embeddings or latents, custom ``sigmas``, ``attention_kwargs``
-other than the LoRA scale, and step callbacks. ``Flux2KleinInpaintPipeline`` reuses these seams
-(its masked latents would enter between ``flux2.scheduler_step`` and the next transformer call);
-it is not part of this module. Klein has no ControlNet pipeline (:mod:`libs.models.flux2_controlnet`).
+never batches requests: batching changes the bits). Reference images (``image=``, Klein's
+multi-reference editing) are :mod:`libs.models.flux2_img2img`'s ``flux2.reference_encode``, whose
+``image_latents`` / ``image_latent_ids`` ``flux2.transformer`` takes as optional inputs. Not
+mirrored: user-supplied embeddings or latents, custom ``sigmas``, ``attention_kwargs`` other than
+the LoRA scale, and step callbacks. ``Flux2KleinInpaintPipeline`` reuses these seams (its masked
+latents enter between ``flux2.scheduler_step`` and the next transformer call, in
+:mod:`libs.models.flux2_img2img`). Klein has no ControlNet pipeline
+(:mod:`libs.models.flux2_controlnet`).
 
 Classifier-free guidance. ``do_classifier_free_guidance`` is ``guidance_scale > 1 and not
 is_distilled`` (``is_distilled`` from ``model_index.json``: false for Klein *base* checkpoints,

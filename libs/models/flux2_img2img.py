@@ -1,7 +1,8 @@
-"""The Flux.2 Klein inpainting ModelFns: what ``Flux2KleinInpaintPipeline.__call__`` ("INP",
+"""The Flux.2 Klein ModelFns that take pictures: what ``Flux2KleinInpaintPipeline.__call__`` ("INP",
 ``diffusers/pipelines/flux2/pipeline_flux2_klein_inpaint.py``, diffusers 0.42.1) does beyond
-``Flux2KleinPipeline``. The rest of the workflow is :mod:`libs.models.flux2`'s (``flux2.text_encoder``,
-``flux2.transformer``, ``flux2.scheduler_step``, ``flux2.vae_decode``):
+``Flux2KleinPipeline``, and ``Flux2KleinPipeline``'s own reference images (its ``image=``). The rest
+of both workflows is :mod:`libs.models.flux2`'s (``flux2.text_encoder``, ``flux2.transformer``,
+``flux2.scheduler_step``, ``flux2.vae_decode``; the edit's also ``flux2.prepare_latents``):
 
 =============================  ==================================================================
 ModelFn (``fn_name``)          what it mirrors
@@ -17,6 +18,11 @@ ModelFn (``fn_name``)          what it mirrors
 ``flux2.inpaint_blend``        INP's lines after each ``scheduler.step``: the image latents re-noised
                                with ``scale_noise`` to the next timestep, then
                                ``(1 - init_mask) * init_latents_proper + init_mask * latents``
+``flux2.reference_encode``     ``Flux2KleinPipeline.__call__`` step 4 (its ``image``: the checks,
+                               the resize over 1024 x 1024 pixels, the rounding down, ``preprocess``
+                               with ``resize_mode="crop"``) and ``prepare_image_latents``
+                               (``_encode_vae_image`` per picture, ``_prepare_image_ids``, packing)
+                               for one to three pictures
 =============================  ==================================================================
 
 The reference tokens. INP hands ``prepare_image_latents`` the already encoded picture, which has
@@ -43,7 +49,20 @@ generator's only draw. The noise, the picture and the mask take the prompt embed
 text encoder's). Mask convention: diffusers', white (>= 0.5) repainted; the bilinear resize leaves
 fractions on the mask's edges, as in INP. Not mirrored: ``image_reference`` (further reference
 pictures), ``padding_mask_crop``, latents given as ``image``, user-given ``latents``, custom
-``sigmas``. No torch or diffusers at import time.
+``sigmas``.
+
+Reference images (``tiny-flux2-klein-edit``). ``flux2.reference_encode`` prepares ``image``,
+``image_2``, ``image_3`` (those given, in that order) as ``Flux2KleinPipeline`` prepares its
+``image`` list: every picture is checked (``check_image_input``: 64 pixels a side at least, an
+aspect ratio of 8 at most), one over 1024 x 1024 pixels is resized to that area (Lanczos), both
+sides are rounded down to a multiple of twice the VAE's scale factor and ``preprocess`` crops to
+them; each is encoded on its own in the VAE's dtype (the posterior's mode: no draw, so the noise
+stays the generator's only draw) and their packed tokens are concatenated, the i-th picture's ids
+at ``t = 10 + 10 * i``. ``flux2.transformer`` binds ``image_latents`` and ``image_latent_ids`` by
+name, as inpainting's. The output size: the pipeline, given no ``height`` / ``width``, takes the
+first picture's rounded size; the workflow always takes the request's ``height`` and ``width`` (the
+workflow's defaults when the request names none), which is the pipeline called with them. No torch
+or diffusers at import time.
 """
 
 from __future__ import annotations
@@ -64,8 +83,10 @@ from libs.workflow.modelfn import ModelFn
 if TYPE_CHECKING:
     import torch
 
-# _prepare_image_ids: the time coordinate of the first reference picture
+# _prepare_image_ids: the time coordinate of the first reference picture, and the step between two
 _REFERENCE_T = 10
+# Flux2KleinPipeline.__call__: a reference picture over this area is first resized down to it
+_MAX_REFERENCE_AREA = 1024 * 1024
 
 
 def _patchify(latents: torch.Tensor) -> torch.Tensor:
@@ -81,14 +102,53 @@ def _pack(latents: torch.Tensor) -> torch.Tensor:
     return latents.reshape(b, c, h * w).permute(0, 2, 1)
 
 
-def _image_ids(latents: torch.Tensor) -> torch.Tensor:
-    """``_prepare_image_ids`` for one reference of batch 1: [1, H*W, 4] int64 (10, row, column, 0)."""
+def _image_ids(latents: list[torch.Tensor]) -> torch.Tensor:
+    """``_prepare_image_ids`` for references of batch 1 ([1, C, H_i, W_i] each): [1, sum H_i*W_i, 4]
+    int64 (t_i, row, column, 0), the i-th reference's time offset ``t_i = 10 + 10 * i``."""
     import torch
 
-    _, _, height, width = latents.shape
-    t = torch.tensor([_REFERENCE_T]).view(-1)
-    ids = torch.cartesian_prod(t, torch.arange(height), torch.arange(width), torch.arange(1))
-    return ids.unsqueeze(0).expand(1, -1, -1)
+    ids = []
+    for i, x in enumerate(latents):
+        _, _, height, width = x.shape
+        t = torch.tensor([_REFERENCE_T + _REFERENCE_T * i])
+        ids.append(torch.cartesian_prod(t, torch.arange(height), torch.arange(width), torch.arange(1)))
+    return torch.cat(ids, dim=0).unsqueeze(0)
+
+
+def _encode_vae_image(vae: Any, image: torch.Tensor) -> torch.Tensor:
+    """``_encode_vae_image``: the posterior's mode (no draw), ``_patchify_latents``, then normalised
+    with the VAE's batch-norm statistics: [1, 4C, H, W] for a preprocessed picture on the VAE."""
+    import torch
+    from diffusers.pipelines.flux2.pipeline_flux2_klein import retrieve_latents
+
+    image_latents = _patchify(retrieve_latents(vae.encode(image), sample_mode="argmax"))
+    bn = vae.bn
+    mean = bn.running_mean.view(1, -1, 1, 1).to(image_latents.device, image_latents.dtype)
+    std = torch.sqrt(bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(
+        image_latents.device, image_latents.dtype
+    )
+    return (image_latents - mean) / std
+
+
+def _condition_images(processor: Any, pictures: list[Any], vae_scale_factor: int) -> list[torch.Tensor]:
+    """``Flux2KleinPipeline.__call__`` step 4 ("process images") for PIL ``pictures``: every one
+    checked first, then each resized to 1024 x 1024 pixels' area when over it, its sides rounded
+    down to a multiple of twice ``vae_scale_factor`` and ``preprocess``-ed to them (cropped)."""
+    for img in pictures:
+        processor.check_image_input(img)  # at least 64 px a side, an aspect ratio of at most 8
+    condition_images = []
+    multiple_of = vae_scale_factor * 2
+    for img in pictures:
+        image_width, image_height = img.size
+        if image_width * image_height > _MAX_REFERENCE_AREA:
+            img = processor._resize_to_target_area(img, _MAX_REFERENCE_AREA)  # noqa: SLF001 - as __call__ does
+            image_width, image_height = img.size
+        image_width = (image_width // multiple_of) * multiple_of
+        image_height = (image_height // multiple_of) * multiple_of
+        condition_images.append(
+            processor.preprocess(img, height=image_height, width=image_width, resize_mode="crop")
+        )
+    return condition_images
 
 
 class Flux2InpaintLatents(ModelFn):
@@ -138,7 +198,6 @@ class Flux2InpaintLatents(ModelFn):
     def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
         import torch
         from diffusers import FlowMatchEulerDiscreteScheduler
-        from diffusers.pipelines.flux2.pipeline_flux2_klein_inpaint import retrieve_latents
         from diffusers.utils.torch_utils import randn_tensor
 
         vae, dtype, factor = components["vae"], components["latents_dtype"], components["vae_scale_factor"]
@@ -161,14 +220,7 @@ class Flux2InpaintLatents(ModelFn):
             scheduler.set_begin_index(t_start)
             latent_timestep = scheduler.timesteps[t_start : t_start + 1]
             # 6. prepare_latents: _encode_vae_image (the mode: no draw), then the generator's only draw
-            image = init_image.to(device=vae.device, dtype=dtype)
-            image_latents = _patchify(retrieve_latents(vae.encode(image), sample_mode="argmax"))
-            bn = vae.bn
-            mean = bn.running_mean.view(1, -1, 1, 1).to(image_latents.device, image_latents.dtype)
-            std = torch.sqrt(bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(
-                image_latents.device, image_latents.dtype
-            )
-            image_latents = (image_latents - mean) / std
+            image_latents = _encode_vae_image(vae, init_image.to(device=vae.device, dtype=dtype))
             shape = (1, components["num_channels_latents"] * 4, lh // 2, lw // 2)
             generator = torch.Generator(device="cpu").manual_seed(int(inputs["seed"]))
             noise = randn_tensor(shape, generator=generator, device=image_latents.device, dtype=dtype)
@@ -184,10 +236,56 @@ class Flux2InpaintLatents(ModelFn):
             "latent_ids": _latent_ids(noise),
             "timesteps": scheduler.timesteps,
             "image_latents": _pack(image_latents),
-            "image_latent_ids": _image_ids(image_latents),
+            "image_latent_ids": _image_ids([image_latents]),
             "noise": _pack(noise),
             "init_mask": _pack(mask),
         }
+
+
+class Flux2ReferenceEncode(ModelFn):
+    """Klein's reference pictures as the transformer's reference tokens: the packed
+    ``image_latents`` [1, N, 4C] of ``image`` and, when given, ``image_2`` and ``image_3`` (in that
+    order, N the sum of their patch grids), and their ``image_latent_ids`` [1, N, 4] (int64)."""
+
+    fn_name = "flux2.reference_encode"
+
+    def setup_io(self) -> None:
+        self.add_input("image")
+        self.add_input("image_2", optional=True)
+        self.add_input("image_3", optional=True)
+        self.add_output("image_latents")
+        self.add_output("image_latent_ids")
+
+    def load_model(self, model_path: str, device: str, loader: Any = None) -> dict[str, Any]:
+        from diffusers.pipelines.flux2.image_processor import Flux2ImageProcessor
+
+        vae = load_component(_component_class(model_path, "vae"), model_path, "vae", device, loader)
+        factor = vae_scale_factor(vae.config)
+        return with_loads(
+            {
+                "vae": vae,
+                "vae_scale_factor": factor,
+                # Flux2KleinPipeline.__init__: twice the VAE's scale factor (the 2x2 patches)
+                "image_processor": Flux2ImageProcessor(vae_scale_factor=factor * 2),
+            }
+        )
+
+    def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
+        import torch
+
+        vae = components["vae"]
+        pictures = [inputs[n] for n in ("image", "image_2", "image_3") if inputs.get(n) is not None]
+        condition_images = _condition_images(
+            components["image_processor"], pictures, components["vae_scale_factor"]
+        )
+        with torch.no_grad():
+            # prepare_image_latents: each picture encoded on its own in the VAE's dtype, then packed
+            latents = [
+                _encode_vae_image(vae, image.to(device=vae.device, dtype=vae.dtype))
+                for image in condition_images
+            ]
+            image_latents = torch.cat([_pack(x).squeeze(0) for x in latents], dim=0).unsqueeze(0)
+        return {"image_latents": image_latents, "image_latent_ids": _image_ids(latents)}
 
 
 class Flux2InpaintBlend(ModelFn):

@@ -5,6 +5,10 @@
   step once per denoising step, then the VAE decode.
 * ``tiny-flux2-klein-lora``: the same with the ``lora`` and ``lora_scale`` parameters, which the
   transformer binds by name.
+* ``tiny-flux2-klein-edit``: ``Flux2KleinPipeline`` with reference images, ``image`` and optionally
+  ``image_2`` and ``image_3`` (the gateway's edit uploads fill them in order): ``flux2.reference_encode``
+  turns them into reference tokens that the transformer binds by name; the output has the request's
+  ``height`` and ``width`` (:mod:`libs.models.flux2_img2img`).
 * ``tiny-flux2-klein-inpaint`` (:func:`flux2_inpaint_workflow`): ``Flux2KleinInpaintPipeline``, from
   an ``image`` and a ``mask``; its loop runs only the last steps of the schedule (``strength``), the
   transformer (the same ``flux2.transformer``) binds the picture's ``image_latents`` and
@@ -32,7 +36,7 @@ from libs.models.flux2 import (
     Flux2Transformer,
     Flux2VaeDecode,
 )
-from libs.models.flux2_img2img import Flux2InpaintBlend, Flux2InpaintLatents
+from libs.models.flux2_img2img import Flux2InpaintBlend, Flux2InpaintLatents, Flux2ReferenceEncode
 from libs.workflow.compose import Value, Workflow
 from libs.workflow.modelfn import ModelFn
 from libs.workflow.spec import ParamSpec, WorkflowSpec
@@ -47,6 +51,7 @@ MODELFNS: list[type[ModelFn]] = [
     Flux2VaeDecode,
     Flux2InpaintLatents,
     Flux2InpaintBlend,
+    Flux2ReferenceEncode,
 ]
 
 TINY_SIZES = ["128x128", "64x64", "256x256", "128x64", "64x128"]
@@ -74,6 +79,16 @@ def flux2_params(
     }
 
 
+def reference_params() -> dict[str, ParamSpec]:
+    """The reference pictures of a Klein edit: ``image`` and up to two more, in the order the
+    gateway's edit uploads fill them; an optional picture left out resolves to ``""`` (none)."""
+    return {
+        "image": ParamSpec(type="image", required=True, description="the (first) reference picture, RGB"),
+        "image_2": ParamSpec(type="image", description="a second reference picture, RGB; empty: none"),
+        "image_3": ParamSpec(type="image", description="a third reference picture, RGB; empty: none"),
+    }
+
+
 def flux2_workflow(
     name: str,
     model: str,
@@ -83,10 +98,12 @@ def flux2_workflow(
     max_sequence_length: int = 512,
     guidance_scale: float = 4.0,
     lora: bool = False,
+    edit: bool = False,
     description: str = "",
 ) -> WorkflowSpec:
     """A Flux.2 Klein text-to-image workflow on the ``Flux2KleinPipeline`` folder ``model``;
-    ``lora`` adds the LoRA parameters."""
+    ``lora`` adds the LoRA parameters, ``edit`` the reference pictures
+    (:func:`reference_params`), which ``flux2.reference_encode`` hands the transformer."""
     width, height = (int(x) for x in sizes[0].split("x"))
     text = Flux2TextEncoder(model, id="text")
     prepare = Flux2PrepareLatents(model, id="prepare")
@@ -102,12 +119,17 @@ def flux2_workflow(
     )
     if lora:
         params.update(lora_params())
+    if edit:
+        params.update(reference_params())
     with Workflow(name, params=params, sizes=sizes, description=description) as wf:
         text()  # prompt, guidance_scale, max_sequence_length
         init = prepare()  # seed, height, width, num_inference_steps
+        if edit:
+            Flux2ReferenceEncode(model, id="reference")()  # image, image_2, image_3
 
         def denoise(step: Value, latents: Value) -> Value:
-            # prompt_embeds, text_ids, latent_ids, timesteps, guidance_scale, lora, lora_scale by name
+            # prompt_embeds, text_ids, latent_ids, timesteps, guidance_scale, lora, lora_scale and
+            # (editing) image_latents, image_latent_ids by name
             noise_pred = transformer(latents=latents)
             return scheduler(noise_pred=noise_pred, latents=latents)
 
@@ -117,8 +139,8 @@ def flux2_workflow(
 
 
 def workflows(model: str = "tiny-flux2-klein") -> list[WorkflowSpec]:
-    """The tiny Flux.2 Klein family: plain and with LoRA, on a ``Flux2KleinPipeline`` folder
-    (:func:`libs.models.tiny_flux2.build` builds it)."""
+    """The tiny Flux.2 Klein family: plain, with LoRA, reference-image edits and inpainting, on a
+    ``Flux2KleinPipeline`` folder (:func:`libs.models.tiny_flux2.build` builds it)."""
 
     def compose(variant: Variant) -> WorkflowSpec:
         return flux2_workflow(
@@ -133,6 +155,15 @@ def workflows(model: str = "tiny-flux2-klein") -> list[WorkflowSpec]:
 
     return [
         *(compose(v) for v in VARIANTS if not v.controlnet),
+        flux2_workflow(
+            "tiny-flux2-klein-edit",
+            model,
+            sizes=TINY_SIZES,
+            steps=4,
+            max_sequence_length=96,
+            edit=True,
+            description=DESCRIPTION + ", editing with up to three reference pictures",
+        ),
         flux2_inpaint_workflow(
             "tiny-flux2-klein-inpaint",
             model,

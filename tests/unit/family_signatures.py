@@ -587,6 +587,11 @@ EXPECTED_IO: dict[str, dict[str, tuple[dict[str, bool], list[str], list[str]]]] 
             ["latents"],
             [],
         ),
+        "flux2.reference_encode": (
+            {"image": False, "image_2": False, "image_3": False},
+            ["image_latents", "image_latent_ids"],
+            ["image_2", "image_3"],
+        ),
     },
     "qwenimage": {
         "qwenimage.text_encoder": (

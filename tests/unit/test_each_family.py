@@ -62,19 +62,25 @@ WORKFLOWS = {
         ),
         *("tiny-zimage-img2img", "tiny-zimage-inpaint"),
     ],
-    "flux2": ["tiny-flux2-klein", "tiny-flux2-klein-lora", "tiny-flux2-klein-inpaint"],
+    "flux2": [
+        "tiny-flux2-klein",
+        "tiny-flux2-klein-lora",
+        "tiny-flux2-klein-edit",
+        "tiny-flux2-klein-inpaint",
+    ],
     "qwenimage": [
         *("tiny-qwenimage", "tiny-qwenimage-lora", "tiny-qwenimage-edit"),
         *("tiny-qwenimage-img2img", "tiny-qwenimage-inpaint"),
     ],
 }
-# The ModelFns only the img2img and inpaint pipelines have: in libs.models.{family}_img2img.
+# The ModelFns only the img2img, inpaint and (Flux.2) reference-edit workflows have: in
+# libs.models.{family}_img2img.
 IMG2IMG_FNS = {
     "flux": {"flux.vae_encode", "flux.inpaint_latents", "flux.inpaint_blend"},
     "sd": {"sd.vae_encode", "sd.inpaint_latents", "sd.inpaint_blend"},
     "sd3": {"sd3.vae_encode", "sd3.inpaint_latents", "sd3.inpaint_blend", "sd3.inpaint_vae_decode"},
     "zimage": {"zimage.vae_encode", "zimage.inpaint_latents", "zimage.inpaint_blend"},
-    "flux2": {"flux2.inpaint_latents", "flux2.inpaint_blend"},
+    "flux2": {"flux2.inpaint_latents", "flux2.inpaint_blend", "flux2.reference_encode"},
     "qwenimage": {"qwenimage.vae_encode", "qwenimage.inpaint_latents", "qwenimage.inpaint_blend"},
 }
 # The ModelFns only the ControlNet pipeline has: in libs.models.{family}_controlnet.

@@ -21,7 +21,7 @@ import torch
 from libs.models import flux2, flux2_workflows
 from libs.models.tiny_flux2 import MANIFEST, build, is_built, qwen_tokenizer
 from libs.workflow.local import LocalRunner
-from tests.unit.model_families import PROMPT, Flux2, flux2_pipeline_result, harness
+from tests.unit.model_families import INIT, PROMPT, REF_2, REF_3, Flux2, flux2_pipeline_result, harness
 
 # The thread count changes the bits: pipelines and nodes alike run on one thread.
 pytestmark = [
@@ -69,6 +69,110 @@ def test_each_workflows_latents_and_image_equal_the_klein_pipelines_bitwise(
     assert np.array_equal(got.image, expected.image)
     assert got.image.shape == (params["height"], params["width"] - params["width"] % 4, 3)
     assert np.unique(got.image).size > 10, "a flat image would make the comparison meaningless"
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        pytest.param({}, id="1-reference-cfg"),
+        pytest.param(dict(guidance_scale=1.0, seed=3), id="1-reference-no-cfg"),
+        pytest.param(dict(image_2=REF_2), id="2-references-cfg"),
+        pytest.param(dict(image_2=REF_2, guidance_scale=1.0, height=96, width=64), id="2-references-no-cfg"),
+        pytest.param(dict(image_2=REF_2, image_3=REF_3, seed=5), id="3-references-cfg"),
+        pytest.param(
+            dict(image=REF_3, image_2=INIT, image_3=REF_2, guidance_scale=1.0, height=72, width=57),
+            id="3-references-no-cfg-72x57",
+        ),
+    ],
+)
+def test_the_edit_with_reference_pictures_equals_the_klein_pipeline_given_them_bitwise(
+    h: Flux2, changes: dict[str, Any]
+) -> None:
+    """``Flux2KleinPipeline(image=[...])`` with 1-3 pictures of their own sizes and aspect ratios
+    (97x70, 66x130, 151x89: rounded down and cropped), called with the request's height and width."""
+    params = h.request("tiny-flux2-klein-edit", **changes)
+    pictures = h.edit_pictures(params)
+    assert len(pictures) == 1 + len({"image_2", "image_3"} & set(changes))
+
+    got = h.run(h.runner, "tiny-flux2-klein-edit", params)
+    expected = h.reference("tiny-flux2-klein-edit", params)
+    plain = h.run(
+        h.runner, h.base, h.request(h.base, **{k: v for k, v in params.items() if "image" not in k})
+    )
+
+    assert got.latents is not None and expected.latents is not None
+    assert torch.equal(got.latents, expected.latents)
+    assert np.array_equal(got.image, expected.image)
+    assert got.image.shape == (params["height"], params["width"] - params["width"] % 4, 3)
+    assert np.unique(got.image).size > 10, "a flat image would make the comparison meaningless"
+    assert not np.array_equal(got.image, plain.image), "the references change the image"
+
+
+def test_different_reference_pictures_give_different_images(h: Flux2) -> None:
+    params = h.request("tiny-flux2-klein-edit", num_inference_steps=2)
+    one = h.run(h.runner, "tiny-flux2-klein-edit", params)
+    other = h.run(h.runner, "tiny-flux2-klein-edit", {**params, "image": REF_3})
+    two = h.run(h.runner, "tiny-flux2-klein-edit", {**params, "image_2": REF_2})
+    swapped = h.run(h.runner, "tiny-flux2-klein-edit", {**params, "image": REF_2, "image_2": INIT})
+
+    images = [one.image, other.image, two.image, swapped.image]
+    assert all(not np.array_equal(a, b) for i, a in enumerate(images) for b in images[i + 1 :])
+    assert np.array_equal(h.run(h.runner, "tiny-flux2-klein-edit", params).image, one.image)
+
+
+def test_the_reference_preprocessing_resizes_pictures_over_1024x1024_as_the_pipeline_does(h: Flux2) -> None:
+    """What ``Flux2KleinPipeline.__call__`` hands ``prepare_image_latents`` (recorded on the way,
+    before the encoding: 65k tokens are too many to run) equals the node's preprocessing, for a
+    picture over 1024 x 1024 pixels (resized to that area first) after one under it."""
+    from PIL import Image
+
+    from libs.models.flux2_img2img import _condition_images
+
+    large = Image.fromarray(np.random.default_rng(9).integers(0, 256, (1001, 1107, 3), dtype=np.uint8), "RGB")
+    small = h.reference_picture(REF_2)
+    pipe = h.pipeline(h.base, False)
+    recorded: list[list[torch.Tensor]] = []
+
+    class Recorded(Exception):
+        pass
+
+    def record(**kwargs: Any) -> Any:
+        recorded.append(kwargs["images"])
+        raise Recorded
+
+    pipe.prepare_image_latents = record
+    try:
+        with pytest.raises(Recorded):
+            pipe(
+                prompt="x",
+                image=[small, large],
+                height=64,
+                width=64,
+                num_inference_steps=1,
+                max_sequence_length=8,
+            )
+    finally:
+        del pipe.prepare_image_latents
+    got = _condition_images(pipe.image_processor, [small, large], pipe.vae_scale_factor)
+
+    ((expected_small, expected_large),) = recorded
+    # 66 x 130 rounds down to 64 x 128; 1107 x 1001 is resized to 1076 x 973 (the area 1024 x 1024),
+    # then rounded down to 1076 x 972.
+    assert expected_small.shape == (1, 3, 128, 64) and expected_large.shape == (1, 3, 972, 1076)
+    assert torch.equal(got[0], expected_small) and torch.equal(got[1], expected_large)
+
+
+def test_the_reference_encoding_refuses_what_the_pipeline_refuses(model: str) -> None:
+    from PIL import Image
+
+    from libs.models.flux2_img2img import Flux2ReferenceEncode
+
+    node = Flux2ReferenceEncode()
+    components = node.load_model(model, "cpu")
+    with pytest.raises(ValueError, match="too small"):
+        node.execute(components, image=Image.new("RGB", (64, 63)))
+    with pytest.raises(ValueError, match="Aspect ratio too extreme"):
+        node.execute(components, image=Image.new("RGB", (96, 96)), image_2=Image.new("RGB", (600, 64)))
 
 
 def test_the_lora_changes_the_image_and_an_empty_lora_is_the_base_model(h: Flux2) -> None:
@@ -274,3 +378,18 @@ def test_the_plain_and_inpaint_workflows_run_one_transformer_which_binds_the_ref
     for node in steps["tiny-flux2-klein-inpaint"]:
         assert node.inputs["image_latents"] == TensorSource("prepare", "image_latents")
         assert node.inputs["image_latent_ids"] == TensorSource("prepare", "image_latent_ids")
+
+
+def test_the_edit_takes_up_to_three_uploaded_pictures_and_only_edits() -> None:
+    """``/v1/images/edits`` fills ``image``, ``image_2``, ``image_3`` in upload order; a picture left
+    out resolves to ``""`` and reaches ``flux2.reference_encode`` as none."""
+    from libs.workflow.capabilities import capabilities, image_params
+    from libs.workflow.dag import Const, ImageSource, unroll
+    from libs.workflow.params import resolve_params
+
+    (spec,) = [s for s in flux2_workflows.workflows() if s.name == "tiny-flux2-klein-edit"]
+    assert capabilities(spec) == ["edit"] and image_params(spec) == ["image", "image_2", "image_3"]
+    resolved = resolve_params(spec, {"prompt": "x", "image": "a", "image_2": "b"})
+    assert resolved["image_3"] == ""
+    (node,) = [n for n in unroll(spec, resolved).nodes.values() if n.fn == "flux2.reference_encode"]
+    assert node.inputs == {"image": ImageSource("a"), "image_2": ImageSource("b"), "image_3": Const(None)}
