@@ -4,7 +4,9 @@
 Each class mirrors one stretch of ``diffusers/pipelines/qwenimage/pipeline_qwenimage.py`` or
 ``pipeline_qwenimage_edit.py`` (diffusers 0.42.1) and runs it on its own, so a workflow of these
 nodes reproduces the monolithic pipelines' images bitwise. The ControlNet pipeline's own stretches
-are :mod:`libs.models.qwenimage_controlnet`'s.
+are :mod:`libs.models.qwenimage_controlnet`'s; the nodes of the pipelines that start from pictures
+(img2img, inpainting and the instruction edits' image encoders and VL prompt encoders) are
+:mod:`libs.models.qwenimage_img2img`'s.
 
 ===============================  ================================================================
 ModelFn (``fn_name``)            what it mirrors
@@ -12,11 +14,6 @@ ModelFn (``fn_name``)            what it mirrors
 ``qwenimage.text_encoder``       ``encode_prompt`` + ``_get_qwen_prompt_embeds`` (Qwen2.5-VL used as
                                  an encoder: last hidden state, template tokens dropped), prompt and
                                  negative prompt
-``qwenimage.edit_text_encoder``  the edit pipeline's ``encode_prompt``: the VL processor with the
-                                 input image resized by step 3
-``qwenimage.edit_image_encode``  the edit pipeline's step 3 (``calculate_dimensions`` resize rule,
-                                 ``preprocess``) and the image half of ``prepare_latents``
-                                 (``_encode_vae_image``: argmax latents, mean/std, packing)
 ``qwenimage.prepare_latents``    step 4 ``prepare_latents`` (noise, 2x2 packing) and step 5 (sigmas,
                                  ``calculate_shift``'s ``mu``, ``retrieve_timesteps``); with
                                  ``generator_state`` bound, the noise continues the ControlNet
@@ -41,11 +38,9 @@ embeddings/latents, custom ``sigmas``, callbacks and guidance-distilled transfor
   always has; the nodes carry the mask and the transformer applies that rule.
 * ``max_sequence_length`` truncates the prompt embeddings in ``QwenImagePipeline.encode_prompt``
   only; the edit pipeline's ``encode_prompt`` ignores it (checked, at most 1024, by both).
-* The edit: the input image is resized to ``calculate_dimensions(1024 * 1024, w / h)`` (a 1024x1024
-  area at its aspect ratio, multiples of 32) for both the VL prompt and the VAE, whatever the output
-  size; its packed latents follow the noise in the transformer's sequence and
-  ``img_shapes`` lists both grids. The output ``height``/``width`` are the request's (the
-  pipeline's default, the input's resized size, is not offered).
+* The edits: the pictures' packed latents follow the noise in the transformer's sequence,
+  ``img_shapes`` lists every grid (``image_shape`` has a row per picture) and the prediction is cut
+  back to the noise's tokens.
 
 Stateless scheduler step: ``FlowMatchEulerDiscreteScheduler``'s sigmas are a function of
 ``(num_inference_steps, mu)`` and ``mu`` of the packed sequence length ``latents.shape[1]``, so
@@ -96,7 +91,7 @@ from libs.models.qwenimage_latents import (
     _vae_config,
     _vae_scale_factor,
 )
-from libs.models.qwenimage_loading import rope_tables_on_cpu, vl_processor
+from libs.models.qwenimage_loading import rope_tables_on_cpu
 from libs.workflow.modelfn import ModelFn
 
 if TYPE_CHECKING:
@@ -104,22 +99,6 @@ if TYPE_CHECKING:
 
 
 # -- helpers -------------------------------------------------------------------------------------
-
-
-def calculate_dimensions(target_area: float, ratio: float) -> tuple[int, int]:
-    """The edit pipeline's resize rule: (width, height) of ``target_area`` pixels at aspect ratio
-    ``ratio`` (w / h), each rounded to a multiple of 32 (``calculate_dimensions``, same operations)."""
-    import math
-
-    width = math.sqrt(target_area * ratio)
-    height = width / ratio
-    return round(width / 32) * 32, round(height / 32) * 32
-
-
-def _edit_size(image: Any) -> tuple[int, int]:
-    """(calculated_height, calculated_width) of the edit's input image (``__call__``'s first line)."""
-    width, height = calculate_dimensions(1024 * 1024, image.size[0] / image.size[1])
-    return height, width
 
 
 def _masked_embeds(hidden_states: torch.Tensor, mask: torch.Tensor, drop_idx: int) -> torch.Tensor:
@@ -232,104 +211,6 @@ class QwenImageTextEncoder(ModelFn):
             "negative_prompt_embeds": neg_embeds,
             "negative_prompt_embeds_mask": neg_mask,
         }
-
-
-class QwenImageEditTextEncoder(QwenImageTextEncoder):
-    """The edit's VL prompt encoding (``QwenImageEditPipeline.encode_prompt``): the prompt with the
-    input ``image`` (resized by the edit's rule) through the VL processor; no truncation."""
-
-    fn_name = "qwenimage.edit_text_encoder"
-    pipeline = "QwenImageEditPipeline"
-
-    def setup_io(self) -> None:
-        super().setup_io()
-        self.add_input("image")
-
-    def load_model(self, model_path: str, device: str, loader: Any = None) -> dict[str, Any]:
-        from diffusers.image_processor import VaeImageProcessor
-
-        components = super().load_model(model_path, device, loader)
-        components["processor"] = vl_processor(model_path)
-        factor = _vae_scale_factor(_vae_config(model_path))
-        components["image_processor"] = VaeImageProcessor(vae_scale_factor=factor * 2)
-        return components
-
-    def _encode(self, components: dict[str, Any], prompt: str, max_length: int, image: Any) -> Any:
-        text_encoder, drop_idx = components["text_encoder"], components["drop_idx"]
-        txt = [components["template"].format(prompt)]
-        inputs = components["processor"](text=txt, images=image, padding=True, return_tensors="pt").to(
-            text_encoder.device
-        )
-        out = text_encoder(
-            input_ids=inputs["input_ids"],
-            attention_mask=inputs["attention_mask"],
-            pixel_values=inputs.get("pixel_values"),
-            image_grid_thw=inputs.get("image_grid_thw"),
-            output_hidden_states=True,
-        )
-        kept = _masked_embeds(out.hidden_states[-1], inputs["attention_mask"], drop_idx)
-        return _embeds_and_mask(kept, text_encoder.dtype, text_encoder.device)
-
-    def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
-        image = inputs["image"]
-        height, width = _edit_size(image)
-        # step 3: prompt_image = image_processor.resize(image, calculated_height, calculated_width)
-        prompt_image = components["image_processor"].resize(image, height, width)
-        return super().execute(components, **{**inputs, "image": prompt_image})
-
-
-class QwenImageEditImageEncode(ModelFn):
-    """The edit's input image as packed latents: ``image_latents`` [1, seq, 4z] and ``image_shape``
-    (int64 [2]: the packed grid's height and width, ``img_shapes``' second entry)."""
-
-    fn_name = "qwenimage.edit_image_encode"
-
-    def setup_io(self) -> None:
-        self.add_input("image")
-        self.add_output("image_latents")
-        self.add_output("image_shape")
-
-    def load_model(self, model_path: str, device: str, loader: Any = None) -> dict[str, Any]:
-        from diffusers import AutoencoderKLQwenImage
-        from diffusers.image_processor import VaeImageProcessor
-
-        vae = load_component(AutoencoderKLQwenImage, model_path, "vae", device, loader)
-        factor = _vae_scale_factor(vae.config)
-        return with_loads(
-            {
-                "vae": vae,
-                "vae_scale_factor": factor,
-                "image_processor": VaeImageProcessor(vae_scale_factor=factor * 2),
-                # prepare_latents: image.to(dtype=prompt_embeds.dtype), the text encoder's
-                "dtype": config_dtype(model_path, "text_encoder", run_dtype(loader)),
-            }
-        )
-
-    def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
-        import torch
-        from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import retrieve_latents
-
-        vae, processor, factor = (
-            components["vae"],
-            components["image_processor"],
-            components["vae_scale_factor"],
-        )
-        image = inputs["image"]
-        height, width = _edit_size(image)
-        with torch.no_grad():
-            # 3. Preprocess image
-            image = processor.resize(image, height, width)
-            image = processor.preprocess(image, height, width).unsqueeze(2)
-            # 4. prepare_latents, the image half: _encode_vae_image (mode, no draw), then packing
-            image = image.to(device=vae.device, dtype=components["dtype"])
-            latents = retrieve_latents(vae.encode(image), sample_mode="argmax")
-            mean, std = _latents_stats(vae.config, latents)
-            latents = (latents - mean) / std
-            latents = torch.cat([latents], dim=0)
-            lh, lw = latents.shape[3:]
-            packed = _pack_latents(latents, latents.shape[1], lh, lw)
-            shape = torch.tensor([height // factor // 2, width // factor // 2], dtype=torch.int64)
-        return {"image_latents": packed, "image_shape": shape}
 
 
 class QwenImagePrepareLatents(ModelFn):
@@ -452,8 +333,8 @@ class QwenImageTransformer(ModelFn):
         image_latents = inputs.get("image_latents")
         if image_latents is not None:
             latent_model_input = torch.cat([latents, image_latents.to(device)], dim=1)
-            ih, iw = (int(x) for x in inputs["image_shape"])
-            img_shapes.append((1, ih, iw))
+            # one (height, width) row per picture (an old single-picture [2] reads as one row)
+            img_shapes += [(1, int(ih), int(iw)) for ih, iw in inputs["image_shape"].reshape(-1, 2).tolist()]
         true_cfg_scale = float(inputs["true_cfg_scale"])
         block_samples = lazy_list(
             inputs.get("controlnet_block_samples"), lambda samples: [x.to(device) for x in samples]

@@ -35,7 +35,7 @@ def _template(pipeline: str) -> tuple[str, int, int]:
     import diffusers
 
     components = dict.fromkeys(("scheduler", "vae", "text_encoder", "tokenizer", "transformer"))
-    if pipeline == "QwenImageEditPipeline":
+    if pipeline in ("QwenImageEditPipeline", "QwenImageEditPlusPipeline"):
         components["processor"] = None
     pipe = getattr(diffusers, pipeline)(**components)
     return (

@@ -16,6 +16,10 @@
   parameter (the picture uploaded to ``/v1/images/edits``): the VL text encoder sees the prompt with
   the image, ``qwenimage.edit_image_encode`` VAE-encodes the image once, and the transformer binds
   its ``image_latents``/``image_shape`` by name and runs on the noise followed by them.
+* ``tiny-qwenimage-edit-plus``: ``QwenImageEditPlusPipeline`` (the Qwen-Image-Edit-2509 layout, the
+  same components; here on the edit folder): an instruction edit of ``image`` and the optional
+  ``image_2`` and ``image_3`` (the further files of a ``/v1/images/edits`` upload), each picture
+  seen by the VL encoder as "Picture i" and VAE-encoded, their tokens after the noise's.
 * ``tiny-qwenimage-img2img`` and ``tiny-qwenimage-inpaint`` (:func:`qwenimage_img2img_workflow`,
   on the base folder): ``QwenImageImg2ImgPipeline`` and ``QwenImageInpaintPipeline``, the
   ``image`` (and ``mask``) parameters VAE-encoded and noised to the first step run; the loop runs
@@ -34,8 +38,6 @@ from __future__ import annotations
 
 from libs.models.common import Variant, controlnet_params, edit_params, lora_params, variant_workflows
 from libs.models.qwenimage import (
-    QwenImageEditImageEncode,
-    QwenImageEditTextEncoder,
     QwenImagePrepareLatents,
     QwenImageSchedulerStep,
     QwenImageTextEncoder,
@@ -43,7 +45,16 @@ from libs.models.qwenimage import (
     QwenImageVaeDecode,
 )
 from libs.models.qwenimage_controlnet import QwenImageControlEncode, QwenImageControlNet
-from libs.models.qwenimage_img2img import QwenImageInpaintBlend, QwenImageInpaintLatents, QwenImageVaeEncode
+from libs.models.qwenimage_img2img import (
+    EXTRA_PICTURES,
+    QwenImageEditImageEncode,
+    QwenImageEditPlusImageEncode,
+    QwenImageEditPlusTextEncoder,
+    QwenImageEditTextEncoder,
+    QwenImageInpaintBlend,
+    QwenImageInpaintLatents,
+    QwenImageVaeEncode,
+)
 from libs.workflow.compose import Value, Workflow
 from libs.workflow.modelfn import ModelFn
 from libs.workflow.spec import ParamSpec, WorkflowSpec
@@ -63,11 +74,14 @@ MODELFNS: list[type[ModelFn]] = [
     QwenImageVaeEncode,
     QwenImageInpaintLatents,
     QwenImageInpaintBlend,
+    QwenImageEditPlusTextEncoder,
+    QwenImageEditPlusImageEncode,
 ]
 
 TINY_SIZES = ["64x64", "96x64", "64x96", "128x128"]
 DESCRIPTION = "tiny Qwen-Image (random-weight Qwen2.5-VL encoder, MMDiT with true CFG, 3-D causal VAE)"
 EDIT_DESCRIPTION = "tiny Qwen-Image-Edit: an instruction edit of the input image"
+EDIT_PLUS_DESCRIPTION = "tiny Qwen-Image-Edit-Plus: an instruction edit of up to three input images"
 
 
 def qwenimage_params(
@@ -102,10 +116,14 @@ def qwenimage_workflow(
     controlnet: bool = False,
     lora: bool = False,
     edit: bool = False,
+    plus: bool = False,
     description: str = "",
 ) -> WorkflowSpec:
     """``model``: a Qwen-Image pipeline folder (a ``QwenImageControlNetPipeline`` one for
-    ``controlnet``, a ``QwenImageEditPipeline`` one for ``edit``)."""
+    ``controlnet``, a ``QwenImageEditPipeline`` one for ``edit``); ``plus`` (with ``edit``): the
+    ``QwenImageEditPlusPipeline`` edit of ``image`` and the optional ``image_2``, ``image_3``."""
+    if plus and not edit:
+        raise ValueError("plus is an edit pipeline: pass edit=True")
     if controlnet and edit:
         raise ValueError("the Qwen-Image edit pipeline has no ControlNet variant")
     width, height = (int(x) for x in sizes[0].split("x"))
@@ -114,19 +132,26 @@ def qwenimage_workflow(
     )
     if edit:
         params["image"] = ParamSpec(type="image", required=True, description="the picture to edit, RGB")
+    if plus:
+        for i, extra in enumerate(EXTRA_PICTURES, start=2):
+            params[extra] = ParamSpec(type="image", description=f"picture {i} of the edit (optional), RGB")
     if controlnet:
         params.update(controlnet_params())
     if lora:
         params.update(lora_params())
-    text = (QwenImageEditTextEncoder if edit else QwenImageTextEncoder)(model, id="text")
+    if plus:
+        text, encode = QwenImageEditPlusTextEncoder(model, id="text"), QwenImageEditPlusImageEncode
+    else:
+        text = (QwenImageEditTextEncoder if edit else QwenImageTextEncoder)(model, id="text")
+        encode = QwenImageEditImageEncode
     prepare = QwenImagePrepareLatents(model, id="prepare")
     transformer = QwenImageTransformer(model, id="transformer")
     scheduler = QwenImageSchedulerStep(model, id="scheduler")
     vae = QwenImageVaeDecode(model, id="vae")
     with Workflow(name, params=params, sizes=sizes, description=description) as wf:
-        text()  # prompt, negative_prompt, true_cfg_scale, max_sequence_length (and image)
+        text()  # prompt, negative_prompt, true_cfg_scale, max_sequence_length (and the pictures)
         if edit:
-            QwenImageEditImageEncode(model, id="image_encode")()  # image
+            encode(model, id="image_encode")()  # image (and image_2, image_3)
         if controlnet:
             QwenImageControlEncode(model, id="control")()  # control_image, seed, height, width
         init = prepare()  # seed, height, width, num_inference_steps (and generator_state)
@@ -210,6 +235,7 @@ def workflows(
         controlnet: bool = False,
         lora: bool = False,
         edit: bool = False,
+        plus: bool = False,
     ) -> WorkflowSpec:
         return qwenimage_workflow(
             name,
@@ -220,6 +246,7 @@ def workflows(
             controlnet=controlnet,
             lora=lora,
             edit=edit,
+            plus=plus,
             description=description,
         )
 
@@ -230,6 +257,7 @@ def workflows(
     return [
         *variant_workflows("tiny-qwenimage", DESCRIPTION, variant),
         tiny("tiny-qwenimage-edit", edit_model, EDIT_DESCRIPTION, edit=True),
+        tiny("tiny-qwenimage-edit-plus", edit_model, EDIT_PLUS_DESCRIPTION, edit=True, plus=True),
         *(
             qwenimage_img2img_workflow(
                 name,

@@ -31,6 +31,8 @@ NEGATIVE = "blurry, low quality"
 CONTROL = "control"  # the name requests give the control image; the harness maps it to the picture
 STYLE = "style"  # the name requests give the family's LoRA; the harness maps it to the file
 INIT, MASK = "init", "mask"  # the names requests give an img2img/inpaint workflow's picture and mask
+SECOND, THIRD = "second", "third"  # the names requests give an edit's further pictures
+REF_2, REF_3 = "ref2", "ref3"  # the names requests give an edit's second and third reference pictures
 
 
 @dataclass(frozen=True, eq=False)
@@ -726,8 +728,17 @@ class Flux2(Harness):
         ("tiny-flux2-klein", dict(height=80, width=48, seed=3, num_inference_steps=2), "base-80x48-2-steps"),
         ("tiny-flux2-klein-lora", dict(lora_scale=0.8), "lora-scale-0.8"),
         ("tiny-flux2-klein-lora", dict(lora_scale=1.3, guidance_scale=1.0, seed=4), "lora-no-cfg"),
+        ("tiny-flux2-klein-edit", {}, "edit-1-reference-cfg"),
+        (
+            "tiny-flux2-klein-edit",
+            dict(image_2=REF_2, guidance_scale=1.0, seed=6),
+            "edit-2-references-no-cfg",
+        ),
     ]
     mid_forward = None  # diffusers has no Flux.2 Klein ControlNet pipeline
+    # The edit's reference pictures (request name -> width, height): sizes and aspect ratios of their
+    # own, none the output's, none a multiple of 4 (the pipeline rounds them down and crops).
+    reference_sizes = {INIT: (97, 70), REF_2: (66, 130), REF_3: (151, 89)}
 
     def __init__(self, root: Path) -> None:
         self.decoded: list[torch.Tensor] = []  # the latents every flux2.vae_decode received
@@ -776,17 +787,40 @@ class Flux2(Harness):
     def control_image(self) -> Image.Image:
         return Image.new("RGB", (8, 8))  # no workflow of the family reads it (no ControlNet)
 
+    def reference_picture(self, name: str) -> Image.Image:
+        """The edit's reference picture ``name`` (a key of :attr:`reference_sizes`): noise over a
+        colour ramp of its own, so that every picture differs."""
+        width, height = self.reference_sizes[name]
+        rng = np.random.default_rng(list(self.reference_sizes).index(name) + 20)
+        ramp = np.linspace(0, 180, width)[None, :, None] * rng.uniform(0.3, 1.0, 3)
+        rgb = ramp + rng.integers(0, 76, (height, width, 3))
+        return Image.fromarray(rgb.astype(np.uint8), "RGB")
+
+    def edit_pictures(self, params: dict[str, Any]) -> list[str]:
+        """The reference pictures a request to the edit names, in the order the pipeline gets them."""
+        return [params[n] for n in ("image", "image_2", "image_3") if params.get(n)]
+
+    def images(self, workflow: str, params: dict[str, Any]) -> dict[str, Any]:
+        edit = workflow.endswith("-edit")
+        refs = {n: self.reference_picture(n) for n in self.edit_pictures(params)} if edit else {}
+        return {**super().images(workflow, params), **refs}
+
     def run(self, runner: LocalRunner, workflow: str, params: dict[str, Any], **images: Any) -> Result:
         image = super().run(runner, workflow, params, **images).image
         return Result(image, self.decoded[-1])
 
     def reference(self, workflow: str, params: dict[str, Any], model: str | Path | None = None) -> Result:
-        return flux2_pipeline_result(self.pipeline(model or self.base, bool(params.get("lora"))), params)
+        pipe = self.pipeline(model or self.base, bool(params.get("lora")))
+        if workflow.endswith("-edit"):
+            pictures = [self.reference_picture(n) for n in self.edit_pictures(params)]
+            return flux2_pipeline_result(pipe, params, image=pictures)
+        return flux2_pipeline_result(pipe, params)
 
 
-def flux2_pipeline_result(pipe: Any, params: dict[str, Any]) -> Result:
+def flux2_pipeline_result(pipe: Any, params: dict[str, Any], **extra: Any) -> Result:
     """The Klein pipeline's image and its packed latents after the last step (what
-    ``flux2.vae_decode`` receives), for the workflow parameters ``params``."""
+    ``flux2.vae_decode`` receives), for the workflow parameters ``params`` (``extra``: further
+    arguments of the pipeline, e.g. the edit's reference pictures ``image``)."""
     if params.get("lora"):
         pipe.set_adapters([STYLE], [params.get("lora_scale", 1.0)])  # what LoraSwitch does
     final: list[torch.Tensor] = []
@@ -804,6 +838,7 @@ def flux2_pipeline_result(pipe: Any, params: dict[str, Any]) -> Result:
         generator=torch.Generator().manual_seed(params["seed"]),
         max_sequence_length=params["max_sequence_length"],
         callback_on_step_end=keep_latents,
+        **extra,
     ).images[0]
     return Result(np.array(image), final[0])
 
@@ -818,14 +853,39 @@ class QwenImage(Harness):
         ("tiny-qwenimage", dict(height=128, width=64, seed=7, true_cfg_scale=1.0), "base-128x64-no-cfg"),
         ("tiny-qwenimage", dict(seed=2, max_sequence_length=8, negative_prompt=""), "base-truncated-prompt"),
         ("tiny-qwenimage-lora", dict(lora_scale=0.8), "lora-scale-0.8"),
+        ("tiny-qwenimage-controlnet", dict(control_scale=0.75), "controlnet-64x96-true-cfg"),
+        (
+            "tiny-qwenimage-controlnet",
+            dict(true_cfg_scale=1.0, seed=4, height=64, width=64),
+            "controlnet-no-cfg",
+        ),
+        ("tiny-qwenimage-controlnet-lora", dict(lora_scale=1.3, seed=3), "controlnet-lora"),
         ("tiny-qwenimage-edit", {}, "edit-64x64-true-cfg"),
         (
             "tiny-qwenimage-edit",
             dict(height=64, width=96, seed=5, true_cfg_scale=1.0, num_inference_steps=2),
             "edit-64x96-no-cfg",
         ),
+        ("tiny-qwenimage-edit-plus", {}, "edit-plus-one-picture"),
+        ("tiny-qwenimage-edit-plus", dict(image_2=SECOND, image_3=THIRD), "edit-plus-three-pictures"),
     ]
-    mid_forward = None  # QwenImageControlNetPipeline is not mirrored
+    mid_forward = MidForward(
+        workflow="tiny-qwenimage-controlnet",
+        component="transformer",
+        callbacks=("controlnet_block_samples",),
+        # the forward first reads the samples after block 0; the true-CFG pass reuses them
+        hooks={"transformer_blocks.0": "block 0", "transformer_blocks.1": "block 1"},
+        per_step=[
+            "execute",
+            "block 0",
+            "fetch controlnet_block_samples",
+            "block 1",
+            "block 0",
+            "block 1",
+            "done",
+        ],
+        changes=dict(num_inference_steps=2),
+    )
 
     def __init__(self, root: Path) -> None:
         self.decoded: list[torch.Tensor] = []  # the latents every qwenimage.vae_decode received
@@ -851,11 +911,18 @@ class QwenImage(Harness):
         if key not in self._pipes:
             from diffusers import QwenImageEditPipeline, QwenImagePipeline
 
-            from libs.models.qwenimage import vl_processor
+            from libs.models.qwenimage_loading import vl_processor
 
-            if model == "tiny-qwenimage-edit":
-                path = self.paths[model]
-                pipe = QwenImageEditPipeline.from_pretrained(path, processor=vl_processor(str(path)))
+            if model in ("tiny-qwenimage-edit", "tiny-qwenimage-edit-plus"):
+                from diffusers import QwenImageEditPlusPipeline
+
+                path = self.paths["tiny-qwenimage-edit"]  # the Plus pipeline runs on the same folder
+                cls = QwenImageEditPlusPipeline if model.endswith("-plus") else QwenImageEditPipeline
+                pipe = cls.from_pretrained(path, processor=vl_processor(str(path)))
+            elif model == "tiny-qwenimage-controlnet":
+                from diffusers import QwenImageControlNetPipeline
+
+                pipe = QwenImageControlNetPipeline.from_pretrained(self.paths[model])
             else:
                 pipe = QwenImagePipeline.from_pretrained(self.paths[model])
             pipe.set_progress_bar_config(disable=True)
@@ -867,15 +934,22 @@ class QwenImage(Harness):
     def base_request(self, workflow: str) -> dict[str, Any]:
         """64x96 (not square; the edit 64x64), 3 steps, true CFG, seed 11."""
         params: dict[str, Any] = dict(
-            prompt=PROMPT, negative_prompt=NEGATIVE, height=64, width=96, seed=11, num_inference_steps=3
+            control_scale=0.8,
+            prompt=PROMPT,
+            negative_prompt=NEGATIVE,
+            height=64,
+            width=96,
+            seed=11,
+            num_inference_steps=3,
         )
         if "edit" in workflow:
             params.update(width=64, prompt="make the cat blue")
         return {**params, "lora_scale": 0.7}
 
     def control_image(self) -> Image.Image:
-        # No workflow takes it (no ControlNet variant); Harness.run hands every run one.
-        return Image.new("RGB", (16, 16))
+        # Not the output size: the pipeline (and qwenimage.control_encode) resize it.
+        pixels = np.random.default_rng(6).integers(0, 256, (72, 80, 3), dtype=np.uint8)
+        return Image.fromarray(pixels, "RGB")
 
     def edit_image(self) -> Image.Image:
         """The edit's input picture (``image`` = INIT): neither the output size nor its aspect
@@ -883,8 +957,16 @@ class QwenImage(Harness):
         pixels = np.random.default_rng(3).integers(0, 256, (60, 84, 3), dtype=np.uint8)
         return Image.fromarray(pixels, "RGB")
 
+    def more_pictures(self) -> dict[str, Image.Image]:
+        """The Plus edit's further pictures: another size, and a tall one."""
+        rng = np.random.default_rng(4)
+        return {
+            SECOND: Image.fromarray(rng.integers(0, 256, (48, 48, 3), dtype=np.uint8), "RGB"),
+            THIRD: Image.fromarray(rng.integers(0, 256, (90, 40, 3), dtype=np.uint8), "RGB"),
+        }
+
     def images(self, workflow: str, params: dict[str, Any]) -> dict[str, Any]:
-        edit = {INIT: self.edit_image()} if "image" in params else {}
+        edit = {INIT: self.edit_image(), **self.more_pictures()} if "image" in params else {}
         return {**super().images(workflow, params), **edit}
 
     def run(self, runner: LocalRunner, workflow: str, params: dict[str, Any], **images: Any) -> Result:
@@ -892,12 +974,23 @@ class QwenImage(Harness):
         return Result(image, self.decoded[-1])
 
     def reference(self, workflow: str, params: dict[str, Any]) -> Result:
-        edit = "image" in params
+        edit, controlnet = "image" in params, "control_image" in params
         lora = bool(params.get("lora"))
-        pipe = self.pipeline("tiny-qwenimage-edit" if edit else "tiny-qwenimage", lora)
+        model = "tiny-qwenimage-controlnet" if controlnet else "tiny-qwenimage"
+        if edit:
+            model = "tiny-qwenimage-edit-plus" if workflow.endswith("-plus") else "tiny-qwenimage-edit"
+        pipe = self.pipeline(model, lora)
         if lora:
             pipe.set_adapters([STYLE], [params.get("lora_scale", 1.0)])  # what LoraSwitch does
         kwargs: dict[str, Any] = {"image": self.edit_image()} if edit else {}
+        if model == "tiny-qwenimage-edit-plus":
+            more = self.more_pictures()
+            extra = [more[params[n]] for n in ("image_2", "image_3") if params.get(n)]
+            kwargs["image"] = [self.edit_image(), *extra]
+        if controlnet:
+            kwargs.update(
+                control_image=self.control_image(), controlnet_conditioning_scale=params["control_scale"]
+            )
         outputs = [
             pipe(
                 prompt=params["prompt"],

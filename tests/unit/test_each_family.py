@@ -69,7 +69,13 @@ WORKFLOWS = {
         "tiny-flux2-klein-inpaint",
     ],
     "qwenimage": [
-        *("tiny-qwenimage", "tiny-qwenimage-lora", "tiny-qwenimage-edit"),
+        *(
+            "tiny-qwenimage",
+            "tiny-qwenimage-controlnet",
+            "tiny-qwenimage-lora",
+            "tiny-qwenimage-controlnet-lora",
+        ),
+        *("tiny-qwenimage-edit", "tiny-qwenimage-edit-plus"),
         *("tiny-qwenimage-img2img", "tiny-qwenimage-inpaint"),
     ],
 }
@@ -81,7 +87,11 @@ IMG2IMG_FNS = {
     "sd3": {"sd3.vae_encode", "sd3.inpaint_latents", "sd3.inpaint_blend", "sd3.inpaint_vae_decode"},
     "zimage": {"zimage.vae_encode", "zimage.inpaint_latents", "zimage.inpaint_blend"},
     "flux2": {"flux2.inpaint_latents", "flux2.inpaint_blend", "flux2.reference_encode"},
-    "qwenimage": {"qwenimage.vae_encode", "qwenimage.inpaint_latents", "qwenimage.inpaint_blend"},
+    "qwenimage": {
+        *("qwenimage.vae_encode", "qwenimage.inpaint_latents", "qwenimage.inpaint_blend"),
+        *("qwenimage.edit_text_encoder", "qwenimage.edit_image_encode"),
+        *("qwenimage.edit_plus_text_encoder", "qwenimage.edit_plus_image_encode"),
+    },
 }
 # The ModelFns only the ControlNet pipeline has: in libs.models.{family}_controlnet.
 CONTROLNET_FNS = {
@@ -91,7 +101,7 @@ CONTROLNET_FNS = {
     "sana": {"sana.control_encode", "sana.controlnet"},
     "zimage": {"zimage.control_encode", "zimage.controlnet"},
     "flux2": set(),  # diffusers has no Flux.2 Klein ControlNet pipeline
-    "qwenimage": set(),  # QwenImageControlNetPipeline is not mirrored
+    "qwenimage": {"qwenimage.control_encode", "qwenimage.controlnet"},
 }
 
 

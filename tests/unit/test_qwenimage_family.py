@@ -18,9 +18,9 @@ import pytest
 import torch
 from PIL import Image
 
-from libs.models import qwenimage
+from libs.models import qwenimage, qwenimage_img2img
 from libs.models.tiny_qwenimage import MANIFEST, build, is_built, qwen_tokenizer
-from tests.unit.model_families import PROMPT, QwenImage, harness
+from tests.unit.model_families import PROMPT, SECOND, THIRD, QwenImage, harness
 
 # The thread count changes the bits: pipelines and nodes alike run on one thread.
 pytestmark = [
@@ -66,6 +66,16 @@ def h(tmp_path_factory: pytest.TempPathFactory) -> QwenImage:
         ),
         pytest.param(
             "tiny-qwenimage-edit", dict(max_sequence_length=4, seed=9), id="edit-ignores-max-sequence-length"
+        ),
+        pytest.param("tiny-qwenimage-edit-plus", {}, id="edit-plus-one-picture"),
+        pytest.param("tiny-qwenimage-edit-plus", dict(image_2=SECOND), id="edit-plus-two-pictures"),
+        pytest.param(
+            "tiny-qwenimage-edit-plus",
+            dict(image_2=SECOND, image_3=THIRD, true_cfg_scale=1.0, height=96, width=64),
+            id="edit-plus-three-pictures-no-cfg",
+        ),
+        pytest.param(
+            "tiny-qwenimage-edit-plus", dict(image_3=THIRD, seed=2), id="edit-plus-a-gap-is-two-pictures"
         ),
     ],
 )
@@ -149,6 +159,44 @@ def test_an_inpainting_controlnet_is_refused_at_load(h: QwenImage, tmp_path: Pat
         QwenImageControlNet().load_model(str(h.paths["tiny-qwenimage"]), "cpu")
 
 
+def test_the_plus_edit_differs_from_the_edit_and_each_further_picture_changes_the_image(h: QwenImage) -> None:
+    params = dict(num_inference_steps=2, true_cfg_scale=1.0)
+    edit = h.run(h.runner, "tiny-qwenimage-edit", h.request("tiny-qwenimage-edit", **params))
+    images = [
+        h.run(
+            h.runner, "tiny-qwenimage-edit-plus", h.request("tiny-qwenimage-edit-plus", **params, **more)
+        ).image
+        for more in ({}, dict(image_2=SECOND), dict(image_2=THIRD), dict(image_2=SECOND, image_3=THIRD))
+    ]
+
+    assert not np.array_equal(edit.image, images[0]), "the Plus template and resize rules differ"
+    for i, a in enumerate(images):
+        for b in images[i + 1 :]:
+            assert not np.array_equal(a, b)
+
+
+def test_the_plus_encoders_number_the_pictures_and_concatenate_their_latents(h: QwenImage) -> None:
+    model = str(h.paths["tiny-qwenimage-edit"])
+    more = h.more_pictures()
+    pictures = dict(image=h.edit_image(), image_2=more[SECOND], image_3=more[THIRD])
+    encode = qwenimage_img2img.QwenImageEditPlusImageEncode()
+    out = encode.execute(encode.load_model(model, "cpu"), **pictures)
+    one = encode.execute(encode.load_model(model, "cpu"), image=h.edit_image(), image_2=None, image_3=None)
+    text = qwenimage_img2img.QwenImageEditPlusTextEncoder()
+    prompt = "<|im_start|>user\nPicture 1: <|vision_start|>"
+
+    sizes = [
+        qwenimage_img2img.calculate_dimensions(1024 * 1024, p.size[0] / p.size[1]) for p in pictures.values()
+    ]
+    assert out["image_shape"].tolist() == [[h_ // 16, w // 16] for w, h_ in sizes]
+    assert out["image_latents"].shape[1] == sum(w * h_ for w, h_ in sizes) // 256
+    assert torch.equal(out["image_latents"][:, : one["image_latents"].shape[1]], one["image_latents"])
+    assert text._picture_prompt([1, 2]).count("<|image_pad|>") == 2
+    assert prompt.split("\n")[1] in text._picture_prompt([1])
+    with pytest.raises(ValueError, match="needs an image"):
+        encode.execute(encode.load_model(model, "cpu"), image=None)
+
+
 def test_the_text_encoder_is_encode_prompt(h: QwenImage) -> None:
     node = qwenimage.QwenImageTextEncoder()
     out = node.execute(
@@ -181,7 +229,7 @@ def test_the_edit_encoders_are_the_edit_pipelines_encode_prompt_and_image_latent
 
     model = str(h.paths["tiny-qwenimage-edit"])
     picture = h.edit_image()
-    text = qwenimage.QwenImageEditTextEncoder()
+    text = qwenimage_img2img.QwenImageEditTextEncoder()
     out = text.execute(
         text.load_model(model, "cpu"),
         prompt="make it blue",
@@ -190,7 +238,7 @@ def test_the_edit_encoders_are_the_edit_pipelines_encode_prompt_and_image_latent
         max_sequence_length=8,
         image=picture,
     )
-    encode = qwenimage.QwenImageEditImageEncode()
+    encode = qwenimage_img2img.QwenImageEditImageEncode()
     latents = encode.execute(encode.load_model(model, "cpu"), image=picture)
     pipe = h.pipeline("tiny-qwenimage-edit", False)
     width, height, _ = calculate_dimensions(1024 * 1024, picture.size[0] / picture.size[1])
@@ -203,7 +251,7 @@ def test_the_edit_encoders_are_the_edit_pipelines_encode_prompt_and_image_latent
     assert torch.equal(out["prompt_embeds"], embeds), "the edit's encode_prompt does not truncate"
     assert out["prompt_embeds"].shape[1] > 8
     assert torch.equal(latents["image_latents"], image_latents)
-    assert latents["image_shape"].tolist() == [height // 16, width // 16]
+    assert latents["image_shape"].tolist() == [[height // 16, width // 16]]
 
 
 @pytest.mark.parametrize("size", [(60, 84), (1024, 1024), (30, 90), (517, 333)])
@@ -213,7 +261,7 @@ def test_the_edit_resize_rule_is_calculate_dimensions(size: tuple[int, int]) -> 
     width, height = size
     theirs = calculate_dimensions(1024 * 1024, width / height)
 
-    assert qwenimage.calculate_dimensions(1024 * 1024, width / height) == theirs[:2]
+    assert qwenimage_img2img.calculate_dimensions(1024 * 1024, width / height) == theirs[:2]
 
 
 def test_the_transformer_loads_with_the_rope_tables_from_pretrained_computes(h: QwenImage) -> None:
