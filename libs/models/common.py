@@ -17,6 +17,10 @@ What is platform plumbing rather than a pipeline's math lives here:
   its models' own ``.device`` keeps it in its components.
 * **Schedules.** :func:`calculate_shift`, diffusers' function of that name (resolution-dependent
   ``mu``), copied as it is; each pipeline calls it with its own defaults.
+* **Inpainting's blend.** :class:`FlowMatchInpaintBlend`: the lines every flow-matching inpainting
+  pipeline runs after its Euler step (the picture's latents re-noised to the next timestep, then
+  blended in where the mask keeps), written once; each family's subclass says how its scheduler is
+  built and its timesteps set.
 * **Decoded images.** :func:`to_uint8_image`: the pipelines' ``postprocess(output_type="pil")`` up to
   the PIL image, i.e. the uint8 array ``np.array(pipe(...).images[0])`` equals.
 * **Callback inputs fetched mid-forward** (the paper, ServerlessT2I, arXiv 2607.26566: §5.2 and
@@ -46,6 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from libs.workflow.modelfn import ModelFn
 from libs.workflow.spec import ParamSpec
 
 if TYPE_CHECKING:
@@ -293,6 +298,93 @@ def calculate_shift(
     b = base_shift - m * base_seq_len
     mu = image_seq_len * m + b
     return mu
+
+
+# -- inpainting's blend ----------------------------------------------------------------------------
+
+
+class FlowMatchInpaintBlend(ModelFn):
+    """Base of the flow-matching inpainting blends (``flux.inpaint_blend``, ``sd3.inpaint_blend``,
+    ``zimage.inpaint_blend``, ``flux2.inpaint_blend``, ...): the lines their pipelines
+    (``FluxInpaintPipeline``, ``StableDiffusion3InpaintPipeline``, ``ZImageInpaintPipeline``,
+    ``Flux2KleinInpaintPipeline``, ``QwenImageInpaintPipeline``) run after each
+    ``scheduler.step``::
+
+        init_latents_proper = image_latents
+        if i < len(timesteps) - 1:
+            noise_timestep = timesteps[i + 1]
+            init_latents_proper = self.scheduler.scale_noise(
+                init_latents_proper, torch.tensor([noise_timestep]), noise
+            )
+        latents = (1 - init_mask) * init_latents_proper + init_mask * latents
+
+    ``scale_noise`` reads the sigma of the scheduler's ``step_index``, which is ``i + 1`` after the
+    step; the node, stateless, builds a fresh ``FlowMatchEulerDiscreteScheduler`` in the pipeline's
+    state (:meth:`scheduler`), checks its timesteps against the carried ``timesteps`` and pins
+    ``set_begin_index(step + 1)``. At the last step the picture's latents go in as they are.
+
+    Inputs: ``latents`` (after step ``step``), the picture's latents (:attr:`image_input`), ``noise``,
+    ``init_mask`` (all as the family's preparation lays them out: packed tokens or [B, C, H, W]),
+    ``timesteps`` (the whole schedule), ``step`` and ``num_inference_steps``; output ``latents``.
+
+    A family's subclass sets ``fn_name`` (and :attr:`image_input` when its preparation names the
+    picture's latents otherwise), loads what its scheduler needs in ``load_model`` (configs only,
+    no weights: ``scheduler_config`` at least) and implements :meth:`set_timesteps` (or
+    :meth:`scheduler`, building its scheduler its own way); :meth:`schedule_for` words the refusal
+    of timesteps that do not match (packed tokens by default). No torch at import time."""
+
+    image_input = "image_latents"  # the input holding the picture's (unnoised) latents
+
+    def setup_io(self) -> None:
+        for name in ("latents", self.image_input, "noise", "init_mask", "timesteps", "step"):
+            self.add_input(name)
+        self.add_input("num_inference_steps")
+        self.add_output("latents")
+
+    def scheduler(self, components: dict[str, Any], num_inference_steps: int, latents: torch.Tensor) -> Any:
+        """A fresh scheduler in the state the pipeline's is in before its first step: by default
+        ``FlowMatchEulerDiscreteScheduler.from_config(components["scheduler_config"])`` with
+        :meth:`set_timesteps`; a family that builds its scheduler otherwise overrides this."""
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        scheduler = FlowMatchEulerDiscreteScheduler.from_config(components["scheduler_config"])
+        self.set_timesteps(components, scheduler, num_inference_steps, latents)
+        return scheduler
+
+    def set_timesteps(
+        self, components: dict[str, Any], scheduler: Any, num_inference_steps: int, latents: torch.Tensor
+    ) -> None:
+        """The family pipeline's ``set_timesteps`` (or ``retrieve_timesteps``) call for ``latents``,
+        on ``latents.device``."""
+        raise NotImplementedError(f"{type(self).__name__} must implement set_timesteps()")
+
+    def schedule_for(self, latents: torch.Tensor) -> str:
+        """What the schedule depends on, for the error message: packed latents' token count."""
+        return f"{latents.shape[1]} latent tokens"
+
+    def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
+        import torch
+
+        latents = inputs["latents"]
+        device = latents.device
+        init_latents_proper = inputs[self.image_input].to(device)
+        init_mask = inputs["init_mask"].to(device)
+        timesteps, step = inputs["timesteps"].to(device), int(inputs["step"])
+        with torch.no_grad():
+            if step < len(timesteps) - 1:
+                steps = int(inputs["num_inference_steps"])
+                scheduler = self.scheduler(components, steps, latents)
+                if not torch.equal(scheduler.timesteps, timesteps):
+                    raise ValueError(
+                        f"timesteps do not match a {steps}-step schedule for {self.schedule_for(latents)}"
+                    )
+                # the pipeline's scheduler is at step_index step + 1 here; scale_noise reads its sigma
+                scheduler.set_begin_index(step + 1)
+                init_latents_proper = scheduler.scale_noise(
+                    init_latents_proper, torch.tensor([timesteps[step + 1]]), inputs["noise"].to(device)
+                )
+            latents = (1 - init_mask) * init_latents_proper + init_mask * latents
+        return {"latents": latents}
 
 
 # -- decoded images --------------------------------------------------------------------------------

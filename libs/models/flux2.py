@@ -184,6 +184,22 @@ def _unpatchify(latents: torch.Tensor) -> torch.Tensor:
     return latents.reshape(b, c // 4, h * 2, w * 2)
 
 
+def _load_vae(model_path: str, device: str, loader: Any) -> dict[str, Any]:
+    """The VAE, its scale factor and ``Flux2KleinPipeline``'s image processor, as components."""
+    from diffusers.pipelines.flux2.image_processor import Flux2ImageProcessor
+
+    vae = load_component(_component_class(model_path, "vae"), model_path, "vae", device, loader)
+    factor = vae_scale_factor(vae.config)
+    return with_loads(
+        {
+            "vae": vae,
+            "vae_scale_factor": factor,
+            # Flux2KleinPipeline.__init__: the 2x2 patches double the effective scale factor
+            "image_processor": Flux2ImageProcessor(vae_scale_factor=factor * 2),
+        }
+    )
+
+
 def _load_flux2_lora(path: str) -> tuple[dict[str, Any], str, dict[str, Any]]:
     """A LoRA file as ``Flux2LoraLoaderMixin.load_lora_weights`` reads it, for :class:`LoraSwitch`."""
     from diffusers import Flux2KleinPipeline
@@ -477,18 +493,7 @@ class Flux2VaeDecode(ModelFn):
         self.add_output("image")
 
     def load_model(self, model_path: str, device: str, loader: Any = None) -> dict[str, Any]:
-        from diffusers.pipelines.flux2.image_processor import Flux2ImageProcessor
-
-        vae = load_component(_component_class(model_path, "vae"), model_path, "vae", device, loader)
-        factor = vae_scale_factor(vae.config)
-        return with_loads(
-            {
-                "vae": vae,
-                "vae_scale_factor": factor,
-                # Flux2KleinPipeline.__init__: the 2x2 patches double the effective scale factor
-                "image_processor": Flux2ImageProcessor(vae_scale_factor=factor * 2),
-            }
-        )
+        return _load_vae(model_path, device, loader)
 
     def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
         import torch

@@ -69,12 +69,20 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from libs.models.common import config_dtype, load_component, run_dtype, vae_scale_factor, with_loads
+from libs.models.common import (
+    FlowMatchInpaintBlend,
+    config_dtype,
+    load_component,
+    run_dtype,
+    vae_scale_factor,
+    with_loads,
+)
 from libs.models.flux2 import (
     _component_class,
     _latent_ids,
     _latent_size,
     _load_config,
+    _load_vae,
     _set_klein_timesteps,
 )
 from libs.workflow.dag import tail_start
@@ -257,18 +265,7 @@ class Flux2ReferenceEncode(ModelFn):
         self.add_output("image_latent_ids")
 
     def load_model(self, model_path: str, device: str, loader: Any = None) -> dict[str, Any]:
-        from diffusers.pipelines.flux2.image_processor import Flux2ImageProcessor
-
-        vae = load_component(_component_class(model_path, "vae"), model_path, "vae", device, loader)
-        factor = vae_scale_factor(vae.config)
-        return with_loads(
-            {
-                "vae": vae,
-                "vae_scale_factor": factor,
-                # Flux2KleinPipeline.__init__: twice the VAE's scale factor (the 2x2 patches)
-                "image_processor": Flux2ImageProcessor(vae_scale_factor=factor * 2),
-            }
-        )
+        return _load_vae(model_path, device, loader)  # flux2.vae_decode's components
 
     def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
         import torch
@@ -288,44 +285,18 @@ class Flux2ReferenceEncode(ModelFn):
         return {"image_latents": image_latents, "image_latent_ids": _image_ids(latents)}
 
 
-class Flux2InpaintBlend(ModelFn):
+class Flux2InpaintBlend(FlowMatchInpaintBlend):
     """After step ``step``'s Euler update: ``latents`` = ``(1 - init_mask) * init_latents_proper +
     init_mask * latents``, ``init_latents_proper`` the image latents noised to the next timestep
-    (as they are at the last step). Needs configs only."""
+    (as they are at the last step; :class:`~libs.models.common.FlowMatchInpaintBlend`), on a
+    scheduler with Klein's timesteps. Needs configs only."""
 
     fn_name = "flux2.inpaint_blend"
-
-    def setup_io(self) -> None:
-        for name in ("latents", "image_latents", "noise", "init_mask", "timesteps", "step"):
-            self.add_input(name)
-        self.add_input("num_inference_steps")
-        self.add_output("latents")
 
     def load_model(self, model_path: str, device: str, loader: Any = None) -> dict[str, Any]:
         return {"scheduler_config": _load_config(model_path, "scheduler")}
 
-    def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
-        import torch
-        from diffusers import FlowMatchEulerDiscreteScheduler
-
-        latents = inputs["latents"]
-        device = latents.device
-        init_latents_proper = inputs["image_latents"].to(device)
-        init_mask = inputs["init_mask"].to(device)
-        timesteps, step = inputs["timesteps"].to(device), int(inputs["step"])
-        with torch.no_grad():
-            if step < len(timesteps) - 1:
-                steps = int(inputs["num_inference_steps"])
-                scheduler = FlowMatchEulerDiscreteScheduler.from_config(components["scheduler_config"])
-                _set_klein_timesteps(scheduler, steps, latents.shape[1], device=device)
-                if not torch.equal(scheduler.timesteps, timesteps):
-                    raise ValueError(
-                        f"timesteps do not match a {steps}-step schedule for {latents.shape[1]} latent tokens"
-                    )
-                # the pipeline's scheduler is at step_index step + 1 here; scale_noise reads its sigma
-                scheduler.set_begin_index(step + 1)
-                init_latents_proper = scheduler.scale_noise(
-                    init_latents_proper, torch.tensor([timesteps[step + 1]]), inputs["noise"].to(device)
-                )
-            latents = (1 - init_mask) * init_latents_proper + init_mask * latents
-        return {"latents": latents}
+    def set_timesteps(
+        self, components: dict[str, Any], scheduler: Any, num_inference_steps: int, latents: torch.Tensor
+    ) -> None:
+        _set_klein_timesteps(scheduler, num_inference_steps, latents.shape[1], device=latents.device)

@@ -38,12 +38,22 @@ diffusers at import time.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from libs.models.common import config_dtype, load_component, run_dtype, vae_scale_factor, with_loads
+from libs.models.common import (
+    FlowMatchInpaintBlend,
+    config_dtype,
+    load_component,
+    run_dtype,
+    vae_scale_factor,
+    with_loads,
+)
 from libs.models.flux import _latent_image_ids, _latent_size, _pack_latents, _set_flux_timesteps
 from libs.workflow.dag import tail_start
 from libs.workflow.modelfn import ModelFn
+
+if TYPE_CHECKING:
+    import torch
 
 
 def _prepared(components: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]:
@@ -174,22 +184,13 @@ class FluxInpaintLatents(FluxVaeEncode):
         return out
 
 
-class FluxInpaintBlend(ModelFn):
+class FluxInpaintBlend(FlowMatchInpaintBlend):
     """After step ``step``'s Euler update: ``latents`` = ``(1 - init_mask) * init_latents_proper +
     init_mask * latents``, ``init_latents_proper`` the image latents noised to the next timestep
-    (as they are at the last step). Needs configs only."""
+    (as they are at the last step; :class:`~libs.models.common.FlowMatchInpaintBlend`), on a
+    scheduler with ``FluxInpaintPipeline``'s timesteps. Needs configs only."""
 
     fn_name = "flux.inpaint_blend"
-
-    def setup_io(self) -> None:
-        self.add_input("latents")
-        self.add_input("image_latents")
-        self.add_input("noise")
-        self.add_input("init_mask")
-        self.add_input("timesteps")
-        self.add_input("step")
-        self.add_input("num_inference_steps")
-        self.add_output("latents")
 
     def load_model(self, model_path: str, device: str, loader: Any = None) -> dict[str, Any]:
         from diffusers import FlowMatchEulerDiscreteScheduler
@@ -198,28 +199,7 @@ class FluxInpaintBlend(ModelFn):
             "scheduler_config": FlowMatchEulerDiscreteScheduler.load_config(model_path, subfolder="scheduler")
         }
 
-    def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
-        import torch
-        from diffusers import FlowMatchEulerDiscreteScheduler
-
-        latents = inputs["latents"]
-        device = latents.device
-        init_latents_proper = inputs["image_latents"].to(device)
-        init_mask = inputs["init_mask"].to(device)
-        timesteps, step = inputs["timesteps"].to(device), int(inputs["step"])
-        with torch.no_grad():
-            if step < len(timesteps) - 1:
-                scheduler = FlowMatchEulerDiscreteScheduler.from_config(components["scheduler_config"])
-                steps = int(inputs["num_inference_steps"])
-                _set_flux_timesteps(scheduler, steps, latents.shape[1], device=device)
-                if not torch.equal(scheduler.timesteps, timesteps):
-                    raise ValueError(
-                        f"timesteps do not match a {steps}-step schedule for {latents.shape[1]} latent tokens"
-                    )
-                # the pipeline's scheduler is at step_index step + 1 here; scale_noise reads its sigma
-                scheduler.set_begin_index(step + 1)
-                init_latents_proper = scheduler.scale_noise(
-                    init_latents_proper, torch.tensor([timesteps[step + 1]]), inputs["noise"].to(device)
-                )
-            latents = (1 - init_mask) * init_latents_proper + init_mask * latents
-        return {"latents": latents}
+    def set_timesteps(
+        self, components: dict[str, Any], scheduler: Any, num_inference_steps: int, latents: torch.Tensor
+    ) -> None:
+        _set_flux_timesteps(scheduler, num_inference_steps, latents.shape[1], device=latents.device)

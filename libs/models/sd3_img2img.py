@@ -43,6 +43,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from libs.models.common import (
+    FlowMatchInpaintBlend,
     config_dtype,
     load_component,
     run_dtype,
@@ -235,22 +236,14 @@ class SD3InpaintLatents(ModelFn):
         }
 
 
-class SD3InpaintBlend(ModelFn):
+class SD3InpaintBlend(FlowMatchInpaintBlend):
     """After step ``step``'s Euler update: ``latents`` = ``(1 - init_mask) * init_latents_proper +
     init_mask * latents``, ``init_latents_proper`` the image latents noised to the next timestep
-    (as they are at the last step). Needs configs only."""
+    (as they are at the last step; :class:`~libs.models.common.FlowMatchInpaintBlend`), on a
+    scheduler with ``StableDiffusion3InpaintPipeline``'s timesteps (unpacked latents [B, C, H, W]).
+    Needs configs only."""
 
     fn_name = "sd3.inpaint_blend"
-
-    def setup_io(self) -> None:
-        self.add_input("latents")
-        self.add_input("image_latents")
-        self.add_input("noise")
-        self.add_input("init_mask")
-        self.add_input("timesteps")
-        self.add_input("step")
-        self.add_input("num_inference_steps")
-        self.add_output("latents")
 
     def load_model(self, model_path: str, device: str, loader: Any = None) -> dict[str, Any]:
         from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
@@ -263,31 +256,15 @@ class SD3InpaintBlend(ModelFn):
             "patch_size": int(transformer_config["patch_size"]),
         }
 
-    def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
-        import torch
-        from diffusers import FlowMatchEulerDiscreteScheduler
+    def set_timesteps(
+        self, components: dict[str, Any], scheduler: Any, num_inference_steps: int, latents: torch.Tensor
+    ) -> None:
+        _set_sd3_timesteps(
+            scheduler, num_inference_steps, latents.shape, components["patch_size"], device=latents.device
+        )
 
-        latents = inputs["latents"]
-        device = latents.device
-        init_latents_proper = inputs["image_latents"].to(device)
-        init_mask = inputs["init_mask"].to(device)
-        timesteps, step = inputs["timesteps"].to(device), int(inputs["step"])
-        with torch.no_grad():
-            if step < len(timesteps) - 1:
-                steps = int(inputs["num_inference_steps"])
-                scheduler = FlowMatchEulerDiscreteScheduler.from_config(components["scheduler_config"])
-                _set_sd3_timesteps(scheduler, steps, latents.shape, components["patch_size"], device=device)
-                if not torch.equal(scheduler.timesteps, timesteps):
-                    raise ValueError(
-                        f"timesteps do not match a {steps}-step schedule for latents of {tuple(latents.shape)}"
-                    )
-                # the pipeline's scheduler is at step_index step + 1 here; scale_noise reads its sigma
-                scheduler.set_begin_index(step + 1)
-                init_latents_proper = scheduler.scale_noise(
-                    init_latents_proper, torch.tensor([timesteps[step + 1]]), inputs["noise"].to(device)
-                )
-            latents = (1 - init_mask) * init_latents_proper + init_mask * latents
-        return {"latents": latents}
+    def schedule_for(self, latents: torch.Tensor) -> str:
+        return f"latents of {tuple(latents.shape)}"
 
 
 class SD3InpaintVaeDecode(SD3VaeDecode):

@@ -37,12 +37,22 @@ diffusers', white (>= 0.5) repainted. Not mirrored: user-given ``latents`` or
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from libs.models.common import config_dtype, load_component, run_dtype, vae_scale_factor, with_loads
+from libs.models.common import (
+    FlowMatchInpaintBlend,
+    config_dtype,
+    load_component,
+    run_dtype,
+    vae_scale_factor,
+    with_loads,
+)
 from libs.models.zimage import _scheduler_config, _set_timesteps
 from libs.workflow.dag import tail_start
 from libs.workflow.modelfn import ModelFn
+
+if TYPE_CHECKING:
+    import torch
 
 
 def _prepared(components: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]:
@@ -163,48 +173,22 @@ class ZImageInpaintLatents(ZImageVaeEncode):
         return out
 
 
-class ZImageInpaintBlend(ModelFn):
+class ZImageInpaintBlend(FlowMatchInpaintBlend):
     """After step ``step``'s Euler update: ``latents`` = ``(1 - init_mask) * init_latents_proper +
     init_mask * latents``, ``init_latents_proper`` the image latents noised to the next timestep
-    (as they are at the last step). Needs configs only."""
+    (as they are at the last step; :class:`~libs.models.common.FlowMatchInpaintBlend`), on a
+    scheduler with ``ZImageInpaintPipeline``'s timesteps (unpacked latents [B, C, H, W]). Needs
+    configs only."""
 
     fn_name = "zimage.inpaint_blend"
-
-    def setup_io(self) -> None:
-        self.add_input("latents")
-        self.add_input("image_latents")
-        self.add_input("noise")
-        self.add_input("init_mask")
-        self.add_input("timesteps")
-        self.add_input("step")
-        self.add_input("num_inference_steps")
-        self.add_output("latents")
 
     def load_model(self, model_path: str, device: str, loader: Any = None) -> dict[str, Any]:
         return {"scheduler_config": _scheduler_config(model_path)}
 
-    def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
-        import torch
-        from diffusers import FlowMatchEulerDiscreteScheduler
+    def set_timesteps(
+        self, components: dict[str, Any], scheduler: Any, num_inference_steps: int, latents: torch.Tensor
+    ) -> None:
+        _set_timesteps(scheduler, num_inference_steps, latents.shape, device=latents.device)
 
-        latents = inputs["latents"]
-        device = latents.device
-        init_latents_proper = inputs["image_latents"].to(device)
-        init_mask = inputs["init_mask"].to(device)
-        timesteps, step = inputs["timesteps"].to(device), int(inputs["step"])
-        with torch.no_grad():
-            if step < len(timesteps) - 1:
-                steps = int(inputs["num_inference_steps"])
-                scheduler = FlowMatchEulerDiscreteScheduler.from_config(components["scheduler_config"])
-                _set_timesteps(scheduler, steps, latents.shape, device=device)
-                if not torch.equal(scheduler.timesteps, timesteps):
-                    raise ValueError(
-                        f"timesteps do not match a {steps}-step schedule for latents of {tuple(latents.shape)}"
-                    )
-                # the pipeline's scheduler is at step_index step + 1 here; scale_noise reads its sigma
-                scheduler.set_begin_index(step + 1)
-                init_latents_proper = scheduler.scale_noise(
-                    init_latents_proper, torch.tensor([timesteps[step + 1]]), inputs["noise"].to(device)
-                )
-            latents = (1 - init_mask) * init_latents_proper + init_mask * latents
-        return {"latents": latents}
+    def schedule_for(self, latents: torch.Tensor) -> str:
+        return f"latents of {tuple(latents.shape)}"

@@ -339,3 +339,41 @@ def test_each_edit_workflow_at_bf16_over_the_weight_cache_equals_its_pipeline_lo
 
     assert np.unique(got).size > 10
     assert np.array_equal(got, np.array(expected))
+
+
+@pytest.mark.parametrize(
+    "workflow", ["tiny-flux-inpaint", "tiny-sd3-inpaint", "tiny-zimage-inpaint", "tiny-flux2-klein-inpaint"]
+)
+def test_each_flow_matching_blend_puts_the_picture_back_unnoised_last_and_refuses_another_schedule(
+    workflow: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The blends share :class:`~libs.models.common.FlowMatchInpaintBlend`; each family's builds
+    its own schedule, which the carried timesteps must be."""
+    from libs.models.common import FlowMatchInpaintBlend
+
+    family = WORKFLOWS[workflow][0]
+    h = harness(family, tmp_path_factory)
+    blend = h.classes()[f"{family}.inpaint_blend"]
+    assert issubclass(blend, FlowMatchInpaintBlend)
+    calls: list[tuple[dict[str, Any], dict[str, Any], torch.Tensor]] = []
+
+    class Recording(blend):  # type: ignore[valid-type,misc]
+        def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
+            out = super().execute(components, **inputs)
+            calls.append((components, inputs, out["latents"]))
+            return out
+
+    params = h.request(workflow, num_inference_steps=4, strength=1.0)
+    runner = LocalRunner(h.root, classes=h.classes(**{blend.fn_name: Recording}))
+    h.run(runner, workflow, params, **edit_images(params))
+
+    assert [int(inputs["step"]) for _, inputs, _ in calls] == [0, 1, 2, 3]
+    components, inputs, out = calls[-1]
+    mask, picture = inputs["init_mask"], inputs[blend.image_input]
+    assert torch.equal(out, (1 - mask) * picture + mask * inputs["latents"])
+    components, inputs, out = calls[0]
+    node = blend()
+    assert torch.equal(node.execute(components, **inputs)["latents"], out)
+    five_steps = node.scheduler(components, 5, inputs["latents"]).timesteps
+    with pytest.raises(ValueError, match="timesteps do not match a 4-step schedule"):
+        node.execute(components, **{**inputs, "timesteps": five_steps[:4]})
