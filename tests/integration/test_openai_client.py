@@ -28,6 +28,7 @@ from tests.support.stacks import sim_stack, started
 KEYS = "sk-alice=alice,sk-ops=ops:admin"
 WORKFLOW = "fast-wf"
 EDIT = "fast-edit"  # the same simulated nodes, with the edit parameters: an upload fills them
+MULTI = "fast-multi-edit"  # an edit of up to two pictures: image and image_2
 
 
 def write_profile(path: Path) -> None:
@@ -75,6 +76,8 @@ def stack(broker_urls, tmp_path_factory) -> Iterator[Stack]:
         assert status == 201, body
         status, body = s.http("POST", "/v1/workflows", edit_workflow(), key="sk-ops")
         assert status == 201, body
+        status, body = s.http("POST", "/v1/workflows", multi_edit_workflow(), key="sk-ops")
+        assert status == 201, body
         yield s
 
 
@@ -85,6 +88,15 @@ def edit_workflow() -> dict:
     spec["params"]["image"] = {"type": "image", "required": True}
     spec["params"]["mask"] = {"type": "image"}
     spec["params"]["strength"] = {"type": "float", "default": 0.8, "minimum": 0.0, "maximum": 1.0}
+    return spec
+
+
+def multi_edit_workflow() -> dict:
+    """``fast-wf``'s nodes taking a required ``image`` and an optional ``image_2``, as the
+    multi-picture edits (Qwen-Image-Edit-Plus, Flux.2 Klein references) take them."""
+    spec = json.loads(encode_spec(sim_workflow(MULTI, "fast", steps=2, description="two pictures")))
+    spec["params"]["image"] = {"type": "image", "required": True}
+    spec["params"]["image_2"] = {"type": "image"}
     return spec
 
 
@@ -216,6 +228,27 @@ def test_an_edit_with_a_mask_as_urls_and_extra_fields(client):
     for item in result.data:
         got = httpx.get(item.url, headers={"Authorization": "Bearer sk-alice"}, timeout=30)
         assert got.status_code == 200 and image_of(got.content).format == "PNG"
+
+
+def test_an_edit_of_several_pictures_sends_them_as_image_array_parts(client, stack):
+    one = client.images.edit(model=MULTI, image=("a.png", png(), "image/png"), prompt="x")
+    two = client.images.edit(
+        model=MULTI,
+        image=[("a.png", png(), "image/png"), ("b.png", png((40, 24), color="blue"), "image/png")],
+        prompt="put the cat of picture 1 on the sofa of picture 2",
+        response_format="b64_json",
+    )
+    assert len(one.data) == 1 and image_of(base64.b64decode(two.data[0].b64_json)).format == "PNG"
+    with pytest.raises(openai.APIStatusError) as e:
+        client.images.edit(
+            model=MULTI,
+            image=[("a.png", png(), "image/png")] * 3,  # the workflow takes two
+            prompt="x",
+        )
+    assert e.value.status_code == 400 and e.value.body["param"] == "image", e.value.body
+    assert MULTI in e.value.body["message"]
+    models = {m.id: m.model_dump() for m in client.models.list().data}
+    assert models[MULTI]["capabilities"] == ["edit"]
 
 
 def test_bad_edits_are_4xx_naming_the_field(client):
