@@ -305,7 +305,7 @@ def calculate_shift(
 
 class FlowMatchInpaintBlend(ModelFn):
     """Base of the flow-matching inpainting blends (``flux.inpaint_blend``, ``sd3.inpaint_blend``,
-    ``zimage.inpaint_blend``, ``flux2.inpaint_blend``, ...): the lines their pipelines
+    ``zimage.inpaint_blend``, ``flux2.inpaint_blend``, ``qwenimage.inpaint_blend``): the lines their pipelines
     (``FluxInpaintPipeline``, ``StableDiffusion3InpaintPipeline``, ``ZImageInpaintPipeline``,
     ``Flux2KleinInpaintPipeline``, ``QwenImageInpaintPipeline``) run after each
     ``scheduler.step``::

@@ -72,7 +72,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from libs.models.common import config_dtype, load_component, run_dtype, with_loads
+from libs.models.common import FlowMatchInpaintBlend, config_dtype, load_component, run_dtype, with_loads
 from libs.models.qwenimage import QwenImageTextEncoder, _embeds_and_mask, _masked_embeds
 from libs.models.qwenimage_latents import (
     _latent_size,
@@ -222,22 +222,13 @@ class QwenImageInpaintLatents(QwenImageVaeEncode):
         return out
 
 
-class QwenImageInpaintBlend(ModelFn):
+class QwenImageInpaintBlend(FlowMatchInpaintBlend):
     """After step ``step``'s Euler update: ``latents`` = ``(1 - init_mask) * init_latents_proper +
     init_mask * latents``, ``init_latents_proper`` the image latents noised to the next timestep
     (as they are at the last step). Needs configs only."""
 
     fn_name = "qwenimage.inpaint_blend"
-
-    def setup_io(self) -> None:
-        self.add_input("latents")
-        self.add_input("init_latents")
-        self.add_input("noise")
-        self.add_input("init_mask")
-        self.add_input("timesteps")
-        self.add_input("step")
-        self.add_input("num_inference_steps")
-        self.add_output("latents")
+    image_input = "init_latents"
 
     def load_model(self, model_path: str, device: str, loader: Any = None) -> dict[str, Any]:
         from diffusers import FlowMatchEulerDiscreteScheduler
@@ -246,30 +237,10 @@ class QwenImageInpaintBlend(ModelFn):
         _scheduler(config)
         return {"scheduler_config": config}
 
-    def execute(self, components: dict[str, Any], **inputs: Any) -> dict[str, Any]:
-        import torch
-
-        latents = inputs["latents"]
-        device = latents.device
-        init_latents_proper = inputs["init_latents"].to(device)
-        init_mask = inputs["init_mask"].to(device)
-        timesteps, step = inputs["timesteps"].to(device), int(inputs["step"])
-        with torch.no_grad():
-            if step < len(timesteps) - 1:
-                scheduler = _scheduler(components["scheduler_config"])
-                steps = int(inputs["num_inference_steps"])
-                _set_timesteps(scheduler, steps, latents.shape[1], device=device)
-                if not torch.equal(scheduler.timesteps, timesteps):
-                    raise ValueError(
-                        f"timesteps do not match a {steps}-step schedule for {latents.shape[1]} latent tokens"
-                    )
-                # the pipeline's scheduler is at step_index step + 1 here; scale_noise reads its sigma
-                scheduler.set_begin_index(step + 1)
-                init_latents_proper = scheduler.scale_noise(
-                    init_latents_proper, torch.tensor([timesteps[step + 1]]), inputs["noise"].to(device)
-                )
-            latents = (1 - init_mask) * init_latents_proper + init_mask * latents
-        return {"latents": latents}
+    def scheduler(self, components: dict[str, Any], num_inference_steps: int, latents: Any) -> Any:
+        scheduler = _scheduler(components["scheduler_config"])
+        _set_timesteps(scheduler, num_inference_steps, latents.shape[1], device=latents.device)
+        return scheduler
 
 
 # -- the instruction edits: QwenImageEditPipeline and QwenImageEditPlusPipeline --------------------

@@ -342,7 +342,14 @@ def test_each_edit_workflow_at_bf16_over_the_weight_cache_equals_its_pipeline_lo
 
 
 @pytest.mark.parametrize(
-    "workflow", ["tiny-flux-inpaint", "tiny-sd3-inpaint", "tiny-zimage-inpaint", "tiny-flux2-klein-inpaint"]
+    "workflow",
+    [
+        "tiny-flux-inpaint",
+        "tiny-sd3-inpaint",
+        "tiny-zimage-inpaint",
+        "tiny-flux2-klein-inpaint",
+        "tiny-qwenimage-inpaint",
+    ],
 )
 def test_each_flow_matching_blend_puts_the_picture_back_unnoised_last_and_refuses_another_schedule(
     workflow: str, tmp_path_factory: pytest.TempPathFactory
