@@ -63,10 +63,36 @@ def torch_dtype(name: str) -> torch.dtype:
         raise ValueError(f"dtype {name!r} is not supported by the data plane") from None
 
 
+def layout(tensor: torch.Tensor) -> list[int] | None:
+    """The strides ``tensor``'s copy in the arena gets (``TensorMeta.strides``): its own when it is
+    dense (a channels-last latent, a transposed matrix), else those of ``torch.empty_like`` (dense,
+    its dims in the same order); None when they are the C-contiguous ones."""
+    contiguous = _c_strides(tensor.shape)
+    if list(tensor.stride()) == contiguous:
+        return None
+    strides = list(torch.empty_like(tensor, device="meta").stride())
+    return None if strides == contiguous else strides
+
+
+def _c_strides(shape: torch.Size) -> list[int]:
+    """The strides torch gives a C-contiguous tensor of ``shape`` (a dim of size 0 counts as 1)."""
+    out, width = [0] * len(shape), 1
+    for i in range(len(shape) - 1, -1, -1):
+        out[i] = width
+        width *= max(shape[i], 1)
+    return out
+
+
 def _block_tensor(
-    transport: Transport, offset: int, nbytes: int, dtype: torch.dtype, shape: list[int]
+    transport: Transport,
+    offset: int,
+    nbytes: int,
+    dtype: torch.dtype,
+    shape: list[int],
+    strides: list[int] | None = None,
 ) -> tuple[torch.Tensor, memoryview | None]:
-    """A ``dtype``/``shape`` tensor viewing ``nbytes`` of the local arena at ``offset`` (no copy).
+    """A ``dtype``/``shape`` tensor viewing ``nbytes`` of the local arena at ``offset`` (no copy),
+    C-contiguous or laid out with ``strides`` (dense: ``check_meta``).
 
     Also returns the memoryview the tensor's storage holds (host arenas), whose lifetime is that
     of every tensor derived from the block; None for device arenas and empty tensors.
@@ -74,15 +100,19 @@ def _block_tensor(
     """
     arena = transport.arena
     if nbytes == 0:
+        if strides is not None:
+            return torch.empty_strided(shape, strides, dtype=dtype, device=arena.device), None
         return torch.empty(shape, dtype=dtype, device=arena.device), None
     if not arena.holds_tensors:
         anchor = arena.view(offset, nbytes)
         # frombuffer in the dtype directly (nbytes is a multiple of its size: check_meta), and a
         # view of the shape only when it is not the flat one: a few µs less per pull.
         flat = torch.frombuffer(anchor, dtype=dtype)
+        if strides is not None:
+            return flat.as_strided(shape, strides), anchor
         return (flat if len(shape) == 1 else flat.view(shape)), anchor
-    raw = arena.tensor(offset, nbytes)  # type: ignore[attr-defined]  # device arenas (TensorArena)
-    return raw.view(dtype).reshape(shape), None
+    raw = arena.tensor(offset, nbytes).view(dtype)  # type: ignore[attr-defined]  # device arenas
+    return (raw.reshape(shape) if strides is None else raw.as_strided(shape, strides)), None
 
 
 class _CopyBlock:
@@ -204,8 +234,9 @@ class TensorStore:
     def put(self, tensor_id: str, tensor: torch.Tensor, *, consumers: int, group: str) -> TensorMeta:
         """Copy ``tensor`` into a new arena block and hold it for ``consumers`` releases.
 
-        Any layout or device is accepted (copied contiguously onto the arena's device: on a device
-        arena a device-to-device copy, and the tensor then stays there for its consumers). Waits up
+        Any layout or device is accepted (copied onto the arena's device, densely in the tensor's
+        own layout, which the metadata's ``strides`` carries to consumers: :func:`layout`; on a
+        device arena a device-to-device copy, and the tensor then stays there). Waits up
         to ``alloc_timeout`` for space (ArenaFullError after that). ValueError if ``tensor_id``
         is already held or ``consumers < 1``. Returns the metadata to publish, stamped with the
         tensor's generation and tag slot once its bytes are in place.
@@ -216,6 +247,7 @@ class TensorStore:
             raise ValueError("tensor_id must be non-empty")
         name = dtype_name(tensor.dtype)
         shape = list(tensor.shape)
+        strides = layout(tensor)
         nbytes = tensor.numel() * tensor.element_size()
         with self._lock:
             if tensor_id in self._entries or tensor_id in self._pending:
@@ -227,7 +259,7 @@ class TensorStore:
             offset = tr.arena.allocate(nbytes, timeout=self.alloc_timeout)
             try:
                 if nbytes:
-                    dst, _ = _block_tensor(tr, offset, nbytes, tensor.dtype, shape)
+                    dst, _ = _block_tensor(tr, offset, nbytes, tensor.dtype, shape, strides)
                     dst.copy_(tensor.detach())
                     # On a device the copy is queued: it must land before the stamp vouches for it.
                     tr.arena.fence()
@@ -247,6 +279,7 @@ class TensorStore:
                 device=tr.arena.device,
                 generation=generation,
                 tag_slot=slot,
+                strides=strides,
             )
             with self._lock:
                 self._entries[tensor_id] = _Entry(meta, offset, consumers, group, tr)
@@ -346,7 +379,9 @@ class TensorStore:
                 )
             if entry.offset != meta.offset or entry.meta.nbytes != meta.nbytes:
                 raise TensorNotFoundError(meta.tensor_id)
-            view, _ = _block_tensor(entry.transport, meta.offset, meta.nbytes, dtype, meta.shape)
+            view, _ = _block_tensor(
+                entry.transport, meta.offset, meta.nbytes, dtype, meta.shape, meta.strides
+            )
             return Lease(meta, view, local=True)
         dest = self.transport.for_put()  # the copy lands in the arena our outputs go to now
         arena = dest.arena
@@ -355,7 +390,7 @@ class TensorStore:
         # megabytes this code would run with cold caches, several times slower. Nobody sees the
         # tensor before the pull has succeeded (tag checked); a failed pull frees the block.
         try:
-            tensor, anchor = _block_tensor(dest, offset, meta.nbytes, dtype, meta.shape)
+            tensor, anchor = _block_tensor(dest, offset, meta.nbytes, dtype, meta.shape, meta.strides)
         except BaseException:
             arena.free(offset)
             raise

@@ -49,6 +49,13 @@ class TensorMeta(msgspec.Struct, frozen=True):
     arena's tag table and zeroes it before the block is freed; readers check it after copying and
     raise StaleTensorError on a mismatch (docs/dataplane.md). ``generation`` 0 means unchecked
     (metadata from before the check, or bytes placed in an arena by hand).
+
+    ``strides`` is the tensor's memory layout when it is not C-contiguous (a channels-last VAE
+    latent, a transposed matrix): the block holds its ``nbytes`` in memory order and the consumer's
+    tensor has these strides, as the producer's had. Kernels pick their paths by layout (the CPU's
+    convolutions round differently in channels-last), so a layout lost in transit changes the bits
+    of what a consumer computes. Always dense: a permutation of the dims, each stride the product of
+    the sizes of the dims laid out inside it (a dim of size 1 may have any stride).
     """
 
     tensor_id: str
@@ -62,6 +69,7 @@ class TensorMeta(msgspec.Struct, frozen=True):
     device: str = "cpu"
     generation: int = 0
     tag_slot: int = 0
+    strides: list[int] | None = None  # element strides of a dense layout; None: C-contiguous
 
 
 def expected_nbytes(dtype: str, shape: list[int]) -> int:
@@ -109,7 +117,27 @@ def check_meta(meta: TensorMeta) -> TensorMeta:
         raise BadTensorMetaError("generation", f"must be an int in [0, 2**64), got {meta.generation!r}")
     if not _is_int(meta.tag_slot) or not 0 <= meta.tag_slot < 1 << 32:
         raise BadTensorMetaError("tag_slot", f"must be an int in [0, 2**32), got {meta.tag_slot!r}")
+    if meta.strides is not None:
+        _check_strides(list(meta.shape), meta.strides)
     return meta
+
+
+def _check_strides(shape: list[int], strides: object) -> None:
+    """``strides`` must lay ``shape`` out densely (so a consumer's view never reaches past the
+    block): one int per dim, and sorted by stride, the dims of size > 1 each as wide as the ones
+    inside it."""
+    if not isinstance(strides, list | tuple) or len(strides) != len(shape):
+        raise BadTensorMetaError("strides", f"must be a list of {len(shape)} ints (one per dim)")
+    for i, st in enumerate(strides):
+        if not _is_int(st) or st < 0:
+            raise BadTensorMetaError(f"strides[{i}]", f"must be a non-negative int, got {st!r}")
+    if 0 in shape:
+        return  # no element: nothing is read
+    expected = 1
+    for st, dim in sorted((st, dim) for st, dim in zip(strides, shape, strict=True) if dim > 1):
+        if st != expected:
+            raise BadTensorMetaError("strides", f"{list(strides)} is not a dense layout of {shape}")
+        expected *= dim
 
 
 _encoder = msgspec.msgpack.Encoder()
