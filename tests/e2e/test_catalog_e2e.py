@@ -5,99 +5,23 @@ mid-forward), images equal to the monolithic diffusers pipelines; bad requests r
 The executors' weight budget (1 MiB) is smaller than one tiny workflow's models (~1.4 MB), so the
 workflows evict each other's layers between requests (and within one), and every image is still
 bitwise the pipeline's: evicted layers are reloaded, pipelined behind the layers still resident.
+
+The stack and the built models are the fixtures of ``conftest.py``.
 """
 
 from __future__ import annotations
 
-import asyncio
-import base64
-import io
 import json
-import uuid
 
 import numpy as np
 import pytest
-import redis
 from PIL import Image
 
-from libs.launcher.stack import Stack
 from libs.models import families
-from libs.protocol.keys import Keys
 from libs.workflow.spec import encode_spec
-from tests.conftest import cleanup_namespace, free_port
+from tests.support.catalog import KEY, control_picture, edit, pixels, png_b64, state
 
 pytestmark = pytest.mark.e2e
-KEY = "sk-cat"
-BUDGET_MB = 1
-
-
-@pytest.fixture(scope="session")
-def built(tmp_path_factory):
-    from libs.models.tiny_sd import build_lora
-
-    root = tmp_path_factory.mktemp("catalog-models")
-    built = families.build(root)
-    # A second SD1.5 adapter, so warm executors switch between two different LoRAs.
-    build_lora(root / "tiny-sd15", root / "loras" / "tiny-sd15-other.safetensors", seed=1)
-    return root, built
-
-
-@pytest.fixture(scope="session")
-def catalog_models(built):
-    return built[0]
-
-
-@pytest.fixture(scope="module")
-def stack(broker_urls, catalog_models, tmp_path_factory):
-    nats_url, redis_url = broker_urls
-    s = Stack(
-        namespace="t" + uuid.uuid4().hex[:10],
-        log_dir=tmp_path_factory.mktemp("logs"),
-        model_root=catalog_models,
-        gateway_port=free_port(),
-        executors=2,
-        api_keys=f"{KEY}=cat:admin",
-        nats_url=nats_url,
-        redis_url=redis_url,
-        # No weights in the arena either: every layer beyond the budget is evicted, not parked.
-        extra_env={"T2I_EXECUTOR_DEVICE_BUDGET_MB": str(BUDGET_MB), "T2I_EXECUTOR_ARENA_WEIGHTS": "0"},
-    )
-    s.start()
-    try:
-        for spec in families.workflows():
-            status, body = s.http("POST", "/v1/workflows", json.loads(encode_spec(spec)), key=KEY)
-            assert status == 201, (spec.name, body)
-        loras = {**families.LORAS, "tiny-sd15-other": "loras/tiny-sd15-other.safetensors"}
-        for name, path in loras.items():
-            assert s.http("POST", "/v1/loras", {"name": name, "path": path}, key=KEY)[0] == 201
-        yield s
-    finally:
-        s.stop()
-        asyncio.run(cleanup_namespace(nats_url, redis_url, s.namespace))
-
-
-def png_b64(img: Image.Image) -> str:
-    buf = io.BytesIO()
-    img.save(buf, format="PNG")
-    return base64.b64encode(buf.getvalue()).decode()
-
-
-def control_picture(w: int, h: int) -> Image.Image:
-    rng = np.random.default_rng(0)
-    return Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
-
-
-def pixels(b64: str) -> np.ndarray:
-    return np.array(Image.open(io.BytesIO(base64.b64decode(b64))))
-
-
-def state(stack: Stack, gen_id: str) -> dict[str, str]:
-    r = redis.Redis.from_url(stack.redis_url)
-    try:
-        raw = r.hgetall(Keys(stack.namespace).request(f"{gen_id}-0"))
-        return {k.decode(): v.decode() for k, v in raw.items()}
-    finally:
-        r.close()
 
 
 def test_every_catalog_workflow_is_registered_and_listed(stack):
@@ -288,26 +212,6 @@ def test_the_executors_evicted_layers_under_their_budget_and_served_every_reques
     logs = "".join(stack.read_log(name) for name in stack.procs if name.startswith("executor"))
     assert "evicted " in logs and " layers (" in logs, logs[-3000:]
     assert all(p.poll() is None for p in stack.procs.values())
-
-
-def edit(stack: Stack, files: dict[str, Image.Image], **fields) -> dict:
-    """``POST /v1/images/edits`` with ``files`` as PNG parts and ``fields`` as text parts."""
-    import httpx
-
-    parts = []
-    for name, img in files.items():
-        buf = io.BytesIO()
-        img.save(buf, format="PNG")
-        parts.append((name, (f"{name}.png", buf.getvalue(), "image/png")))
-    resp = httpx.post(
-        f"{stack.url}/v1/images/edits",
-        data={k: str(v) for k, v in fields.items()},
-        files=parts,
-        headers={"Authorization": f"Bearer {KEY}"},
-        timeout=300,
-    )
-    assert resp.status_code == 200, (resp.text, stack.tail("scheduler"))
-    return resp.json()
 
 
 def test_sd15_img2img_and_inpaint_edits_through_the_stack_equal_the_pipelines(stack, catalog_models):
