@@ -48,7 +48,7 @@ True CFG (the paper, Fig. 12-right). ``FluxPipeline`` with ``negative_prompt`` a
 runs the transformer twice per step, unbatched, and combines. A workflow runs two ``flux.transformer``
 nodes per step (positive and negative embeddings; they may run on two executors) and the light
 ``flux.true_cfg`` node. (The pipeline's ``cache_context("uncond")`` only matters with caching hooks,
-which are never enabled here.)
+enabled here only on the basic workflow's single pass: the cfg-parallel workflow offers no caching.)
 
 Why the scheduler step is stateless. ``FlowMatchEulerDiscreteScheduler`` keeps ``sigmas`` and a
 ``_step_index`` between calls, but consecutive steps of one request may run on different executors
@@ -85,6 +85,7 @@ from libs.models.common import (
     with_loads,
 )
 from libs.models.lora import LoraSwitch
+from libs.models.stepcache import step_cache
 from libs.workflow.modelfn import ModelFn
 
 if TYPE_CHECKING:
@@ -265,6 +266,7 @@ class FluxPrepareLatents(ModelFn):
         self.add_output("latents")
         self.add_output("latent_image_ids")
         self.add_output("timesteps")
+        self.add_output("cache_state")  # the first step's step-cache state: none (libs.models.stepcache)
 
     def load_model(self, model_path: str, device: str, loader: Any = None) -> dict[str, Any]:
         from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
@@ -307,7 +309,12 @@ class FluxPrepareLatents(ModelFn):
             scheduler = FlowMatchEulerDiscreteScheduler.from_config(components["scheduler_config"])
             _set_flux_timesteps(scheduler, steps, latents.shape[1], device="cpu")
             timesteps = scheduler.timesteps
-        return {"latents": latents, "latent_image_ids": latent_image_ids, "timesteps": timesteps}
+        return {
+            "latents": latents,
+            "latent_image_ids": latent_image_ids,
+            "timesteps": timesteps,
+            "cache_state": [],
+        }
 
 
 def _control_residuals(value: Any, name: str, device: Any) -> Any:
@@ -371,7 +378,11 @@ class FluxTransformer(ModelFn):
         self.add_input("controlnet_single_block_samples", callback=True, optional=True)
         self.add_input("lora", optional=True)
         self.add_input("lora_scale", optional=True)
+        self.add_input("cache", optional=True)
+        self.add_input("cache_threshold", optional=True)
+        self.add_input("cache_state", optional=True)
         self.add_output("noise_pred")
+        self.add_output("cache_state")
 
     def load_model(self, model_path: str, device: str, loader: Any = None) -> dict[str, Any]:
         from diffusers import FluxTransformer2DModel
@@ -415,8 +426,9 @@ class FluxTransformer(ModelFn):
                     controlnet_single_block_samples=single_block_samples,
                     controlnet_blocks_repeat=False,
                 )
-            with transformer.cache_context("cond"):
-                noise_pred = transformer(
+            out: dict[str, Any] = {}
+            with step_cache(transformer, inputs, out), transformer.cache_context("cond"):
+                out["noise_pred"] = transformer(
                     hidden_states=latents,
                     timestep=timestep / 1000,
                     guidance=guidance,
@@ -428,7 +440,7 @@ class FluxTransformer(ModelFn):
                     return_dict=False,
                     **kwargs,
                 )[0]
-        return {"noise_pred": noise_pred}
+        return out
 
 
 class FluxTrueCfg(ModelFn):

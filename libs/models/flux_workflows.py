@@ -48,6 +48,7 @@ from libs.models.flux import (
 )
 from libs.models.flux_controlnet import FluxControlImageEncoder, FluxControlNet
 from libs.models.flux_img2img import FluxInpaintBlend, FluxInpaintLatents, FluxVaeEncode
+from libs.models.stepcache import cache_params
 from libs.workflow.compose import Value, Workflow
 from libs.workflow.modelfn import ModelFn
 from libs.workflow.spec import ParamSpec, WorkflowSpec
@@ -110,10 +111,14 @@ def flux_workflow(
     controlnet: str | None = None,
     lora: bool = False,
     true_cfg: bool = False,
+    cache: bool = True,
 ) -> WorkflowSpec:
     """A Flux text-to-image workflow on the checkpoint folder ``model``; ``controlnet`` names a
     ``FluxControlNetModel`` folder to condition on a control image; ``lora`` adds the LoRA
-    parameters; ``true_cfg`` runs the negative prompt as a parallel transformer node per step."""
+    parameters; ``true_cfg`` runs the negative prompt as a parallel transformer node per step;
+    ``cache`` offers step caching per request (:mod:`libs.models.stepcache`; not with
+    ``true_cfg``), its state carried from step to step next to the latents."""
+    cache = cache and not true_cfg
     width, height = (int(x) for x in sizes[0].split("x"))
     clip = FluxClipEncoder(model, id="clip")
     t5 = FluxT5Encoder(model, id="t5")
@@ -134,6 +139,8 @@ def flux_workflow(
         params.update(controlnet_params())
     if lora:
         params.update(lora_params())
+    if cache:
+        params.update(cache_params())
     with Workflow(name, params=params, sizes=sizes, description=description) as wf:
         pooled = clip()  # prompt: bound by name to the parameter
         text = t5()  # prompt, max_sequence_length
@@ -148,30 +155,36 @@ def flux_workflow(
         init = prepare()
         controlnet_fn = FluxControlNet(controlnet, id="controlnet") if controlnet else None
 
-        def denoise(step: Value, latents: Value) -> Value:
+        def denoise(
+            step: Value, latents: Value, cache_state: Value | None = None
+        ) -> Value | dict[str, Value]:
             if controlnet_fn is not None:
                 controlnet_fn(latents=latents)  # its residuals are bound by name below
             if not true_cfg:
-                # Every other input (embeddings, ids, timesteps, guidance, residuals, LoRA) by name.
-                noise_pred = transformer(latents=latents)
+                # Every other input (embeddings, ids, timesteps, guidance, residuals, LoRA, the
+                # cache parameters and the carried cache_state) by name.
+                out = transformer(latents=latents)
+                latents = euler(noise_pred=out.noise_pred, latents=latents)
+                return {"latents": latents, "cache_state": out.cache_state} if cache else latents
             else:
                 positive = transformer(
                     latents=latents,
                     prompt_embeds=text.prompt_embeds,
                     pooled_prompt_embeds=pooled,
                     text_ids=text.text_ids,
-                )
+                ).noise_pred
                 negative_pred = FluxTransformer(model, id="transformer_neg")(
                     latents=latents,
                     prompt_embeds=neg_text.prompt_embeds,
                     pooled_prompt_embeds=neg_pooled,
                     text_ids=neg_text.text_ids,
-                )
+                ).noise_pred
                 noise_pred = FluxTrueCfg(id="cfg")(noise_pred=positive, neg_noise_pred=negative_pred)
-            return euler(noise_pred=noise_pred, latents=latents)
+                return euler(noise_pred=noise_pred, latents=latents)
 
-        latents = wf.loop("num_inference_steps", denoise, id="denoise", latents=init.latents)
-        wf.output("image", vae(latents=latents))
+        carry = {"cache_state": init.cache_state} if cache else {}
+        final = wf.loop("num_inference_steps", denoise, id="denoise", latents=init.latents, **carry)
+        wf.output("image", vae(latents=final.latents if cache else final))
     return wf.spec()
 
 
@@ -262,7 +275,7 @@ def flux_edit_workflow(
         init = prepare()  # image (and mask), seed, height, width, num_inference_steps, strength
 
         def denoise(step: Value, latents: Value) -> Value:
-            noise_pred = transformer(latents=latents)
+            noise_pred = transformer(latents=latents).noise_pred
             latents = euler(noise_pred=noise_pred, latents=latents)
             # image_latents, noise, init_mask: the preparation's, bound by name
             return blend(latents=latents) if inpaint else latents

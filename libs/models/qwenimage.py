@@ -92,6 +92,7 @@ from libs.models.qwenimage_latents import (
     _vae_scale_factor,
 )
 from libs.models.qwenimage_loading import rope_tables_on_cpu
+from libs.models.stepcache import step_cache
 from libs.workflow.modelfn import ModelFn
 
 if TYPE_CHECKING:
@@ -230,6 +231,7 @@ class QwenImagePrepareLatents(ModelFn):
         self.add_input("generator_state", optional=True)
         self.add_output("latents")
         self.add_output("timesteps")
+        self.add_output("cache_state")  # the first step's step-cache state: none (libs.models.stepcache)
 
     def load_model(self, model_path: str, device: str, loader: Any = None) -> dict[str, Any]:
         from diffusers import FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
@@ -272,7 +274,7 @@ class QwenImagePrepareLatents(ModelFn):
             # 5. timesteps, on a scheduler of our own
             scheduler = _scheduler(components["scheduler_config"])
             _set_timesteps(scheduler, steps, latents.shape[1], device="cpu")
-        return {"latents": latents, "timesteps": scheduler.timesteps}
+        return {"latents": latents, "timesteps": scheduler.timesteps, "cache_state": []}
 
 
 class QwenImageTransformer(ModelFn):
@@ -299,7 +301,11 @@ class QwenImageTransformer(ModelFn):
         self.add_input("controlnet_block_samples", callback=True, optional=True)
         self.add_input("lora", optional=True)
         self.add_input("lora_scale", optional=True)
+        self.add_input("cache", optional=True)
+        self.add_input("cache_threshold", optional=True)
+        self.add_input("cache_state", optional=True)
         self.add_output("noise_pred")
+        self.add_output("cache_state")
 
     def load_model(self, model_path: str, device: str, loader: Any = None) -> dict[str, Any]:
         from diffusers import QwenImageTransformer2DModel
@@ -364,16 +370,20 @@ class QwenImageTransformer(ModelFn):
                     )[0]
                 return out[:, : latents.size(1)] if image_latents is not None else out
 
-            noise_pred = forward(inputs["prompt_embeds"], inputs["prompt_embeds_mask"], "cond")
+            out: dict[str, Any] = {}
+            with step_cache(transformer, inputs, out):  # both passes, each in its cache context
+                noise_pred = forward(inputs["prompt_embeds"], inputs["prompt_embeds_mask"], "cond")
+                if _do_true_cfg(true_cfg_scale):
+                    neg = forward(
+                        inputs["negative_prompt_embeds"], inputs["negative_prompt_embeds_mask"], "uncond"
+                    )
             if _do_true_cfg(true_cfg_scale):
-                neg = forward(
-                    inputs["negative_prompt_embeds"], inputs["negative_prompt_embeds_mask"], "uncond"
-                )
                 comb_pred = neg + true_cfg_scale * (noise_pred - neg)
                 cond_norm = torch.norm(noise_pred, dim=-1, keepdim=True)
                 noise_norm = torch.norm(comb_pred, dim=-1, keepdim=True)
                 noise_pred = comb_pred * (cond_norm / noise_norm)
-        return {"noise_pred": noise_pred}
+            out["noise_pred"] = noise_pred
+        return out
 
 
 class QwenImageSchedulerStep(ModelFn):

@@ -55,6 +55,7 @@ from libs.models.qwenimage_img2img import (
     QwenImageInpaintLatents,
     QwenImageVaeEncode,
 )
+from libs.models.stepcache import cache_params
 from libs.workflow.compose import Value, Workflow
 from libs.workflow.modelfn import ModelFn
 from libs.workflow.spec import ParamSpec, WorkflowSpec
@@ -117,6 +118,7 @@ def qwenimage_workflow(
     lora: bool = False,
     edit: bool = False,
     plus: bool = False,
+    cache: bool = True,
     description: str = "",
 ) -> WorkflowSpec:
     """``model``: a Qwen-Image pipeline folder (a ``QwenImageControlNetPipeline`` one for
@@ -139,6 +141,8 @@ def qwenimage_workflow(
         params.update(controlnet_params())
     if lora:
         params.update(lora_params())
+    if cache:
+        params.update(cache_params())
     if plus:
         text, encode = QwenImageEditPlusTextEncoder(model, id="text"), QwenImageEditPlusImageEncode
     else:
@@ -156,16 +160,20 @@ def qwenimage_workflow(
             QwenImageControlEncode(model, id="control")()  # control_image, seed, height, width
         init = prepare()  # seed, height, width, num_inference_steps (and generator_state)
 
-        def denoise(step: Value, latents: Value) -> object:
+        def denoise(
+            step: Value, latents: Value, cache_state: Value | None = None
+        ) -> Value | dict[str, Value]:
             if controlnet:
                 QwenImageControlNet(model, id="controlnet")(latents=latents)
             # embeddings, image_latents/image_shape (edit), the ControlNet's block samples, lora,
-            # lora_scale: bound by name
-            noise_pred = transformer(latents=latents)
-            return scheduler(noise_pred=noise_pred, latents=latents)
+            # lora_scale, the cache parameters and the carried cache_state: bound by name
+            out = transformer(latents=latents)
+            latents = scheduler(noise_pred=out.noise_pred, latents=latents)
+            return {"latents": latents, "cache_state": out.cache_state} if cache else latents
 
-        final = wf.loop("num_inference_steps", denoise, id="denoise", latents=init.latents)
-        wf.output("image", vae(latents=final))
+        carry = {"cache_state": init.cache_state} if cache else {}
+        final = wf.loop("num_inference_steps", denoise, id="denoise", latents=init.latents, **carry)
+        wf.output("image", vae(latents=final.latents if cache else final))
     return wf.spec()
 
 
@@ -200,7 +208,7 @@ def qwenimage_img2img_workflow(
         init = prepare()  # image (and mask), seed, height, width, num_inference_steps, strength
 
         def denoise(step: Value, latents: Value) -> Value:
-            noise_pred = transformer(latents=latents)  # the embeddings, bound by name
+            noise_pred = transformer(latents=latents).noise_pred  # the embeddings, bound by name
             latents = scheduler(noise_pred=noise_pred, latents=latents)
             # init_latents, noise, init_mask: the preparation's, bound by name
             return blend(latents=latents) if inpaint else latents

@@ -25,7 +25,7 @@ EXPECTED_IO: dict[str, dict[str, tuple[dict[str, bool], list[str], list[str]]]] 
                 "num_inference_steps": False,
                 "generator_state": False,
             },
-            ["latents", "latent_image_ids", "timesteps"],
+            ["latents", "latent_image_ids", "timesteps", "cache_state"],
             ["generator_state"],
         ),
         "flux.controlnet": (
@@ -58,9 +58,20 @@ EXPECTED_IO: dict[str, dict[str, tuple[dict[str, bool], list[str], list[str]]]] 
                 "controlnet_single_block_samples": True,
                 "lora": False,
                 "lora_scale": False,
+                "cache": False,
+                "cache_threshold": False,
+                "cache_state": False,
             },
-            ["noise_pred"],
-            ["controlnet_block_samples", "controlnet_single_block_samples", "lora", "lora_scale"],
+            ["noise_pred", "cache_state"],
+            [
+                "controlnet_block_samples",
+                "controlnet_single_block_samples",
+                "lora",
+                "lora_scale",
+                "cache",
+                "cache_threshold",
+                "cache_state",
+            ],
         ),
         "flux.true_cfg": (
             {"noise_pred": False, "neg_noise_pred": False, "true_cfg_scale": False},
@@ -464,7 +475,12 @@ EXPECTED_IO: dict[str, dict[str, tuple[dict[str, bool], list[str], list[str]]]] 
                 "lora_scale": False,
             },
             ["noise_pred"],
-            ["controlnet_block_samples", "controlnet_layer_places", "lora", "lora_scale"],
+            [
+                "controlnet_block_samples",
+                "controlnet_layer_places",
+                "lora",
+                "lora_scale",
+            ],
         ),
         "zimage.scheduler_step": (
             {
@@ -543,7 +559,12 @@ EXPECTED_IO: dict[str, dict[str, tuple[dict[str, bool], list[str], list[str]]]] 
                 "lora_scale": False,
             },
             ["noise_pred"],
-            ["image_latents", "image_latent_ids", "lora", "lora_scale"],
+            [
+                "image_latents",
+                "image_latent_ids",
+                "lora",
+                "lora_scale",
+            ],
         ),
         "flux2.scheduler_step": (
             {
@@ -642,7 +663,7 @@ EXPECTED_IO: dict[str, dict[str, tuple[dict[str, bool], list[str], list[str]]]] 
                 "num_inference_steps": False,
                 "generator_state": False,
             },
-            ["latents", "timesteps"],
+            ["latents", "timesteps", "cache_state"],
             ["generator_state"],
         ),
         "qwenimage.control_encode": (
@@ -682,9 +703,21 @@ EXPECTED_IO: dict[str, dict[str, tuple[dict[str, bool], list[str], list[str]]]] 
                 "controlnet_block_samples": True,
                 "lora": False,
                 "lora_scale": False,
+                "cache": False,
+                "cache_threshold": False,
+                "cache_state": False,
             },
-            ["noise_pred"],
-            ["image_latents", "image_shape", "controlnet_block_samples", "lora", "lora_scale"],
+            ["noise_pred", "cache_state"],
+            [
+                "image_latents",
+                "image_shape",
+                "controlnet_block_samples",
+                "lora",
+                "lora_scale",
+                "cache",
+                "cache_threshold",
+                "cache_state",
+            ],
         ),
         "qwenimage.scheduler_step": (
             {
