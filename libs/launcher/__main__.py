@@ -4,8 +4,9 @@ With credentials (the default; docs/security.md): a private nats-server with one
 Redis ACL users per role, each process given only its own. ``--insecure``: the NATS at
 ``T2I_NATS_URL`` as it is, no users. Starts Redis (and, ``--insecure``, NATS) where none answers,
 builds the tiny-flux models if missing, starts every service (two executors), registers the
-built-in workflow through the HTTP API, generates a sample image to ``out/sample.png``, prints a
-curl command that makes another, and serves until Ctrl-C.
+built-in workflow through the HTTP API, generates a sample image to ``out/sample.png`` with the
+trained ``flux-shapes`` model (docs/trained-model.md) and prints the evaluator's verdict of it,
+prints a curl command that makes another, and serves until Ctrl-C.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from libs.common.config import load_config
 from libs.common.settings import common_settings
 from libs.launcher import brokers
 from libs.launcher.stack import Stack, StackError
+from libs.trained import catalog as shapes_catalog
 from services.gateway.config import GatewayConfig
 
 DEV_KEY = "sk-t2i-dev"
@@ -79,7 +81,12 @@ def main(argv: list[str] | None = None) -> int:
         status, body = stack.http(
             "POST",
             "/v1/images/generations",
-            {"model": "tiny-flux", "prompt": "a lighthouse at dusk", "size": "128x128", "seed": 7},
+            {
+                "model": shapes_catalog.NAME,
+                "prompt": shapes_catalog.SAMPLE_CAPTION,
+                "size": "64x64",
+                "seed": 7,
+            },
         )
         if status != 200:
             raise StackError(f"sample generation failed: {status} {body}\n{stack.tail('scheduler')}")
@@ -87,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         (out / "sample.png").write_bytes(base64.b64decode(body["data"][0]["b64_json"]))
         print(f"wrote {out / 'sample.png'} in {time.monotonic() - t0:.2f}s")
+        print(f"evaluator (libs/trained/evaluate.py): {sample_verdict(out / 'sample.png')}")
         print("\nmake another image with:\n")
         print(curl_command(stack.url, args.out))
         print(f"\nor open the web console: {stack.url}/console (API key {DEV_KEY})")
@@ -135,18 +143,31 @@ def register_catalog(stack: Stack) -> None:
     )
 
 
+def sample_verdict(path: Path) -> str:
+    """The shapes evaluator's verdict of the sample image against its caption."""
+    from PIL import Image
+
+    from libs.trained import evaluate
+
+    with Image.open(path) as image:
+        return evaluate.score(image.convert("RGB"), shapes_catalog.SAMPLE_CAPTION).summary()
+
+
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
 def curl_command(url: str, out: str) -> str:
-    body = '{"model": "tiny-flux", "prompt": "a red fox in the snow", "size": "128x128", "seed": 1}'
+    body = (
+        '{"model": "flux-shapes", "prompt": "two blue squares at the top on a black background", '
+        '"size": "64x64", "seed": 1}'
+    )
     return (
         f"curl -s {url}/v1/images/generations \\\n"
         f"  -H 'Authorization: Bearer {DEV_KEY}' -H 'Content-Type: application/json' \\\n"
         f"  -d '{body}' \\\n"
         f"  | python3 -c 'import sys,json,base64; "
-        f'open("{out}/fox.png","wb").write(base64.b64decode(json.load(sys.stdin)["data"][0]["b64_json"]))\''
+        f'open("{out}/squares.png","wb").write(base64.b64decode(json.load(sys.stdin)["data"][0]["b64_json"]))\''
     )
 
 

@@ -115,15 +115,23 @@ LORAS: dict[str, str] = {f.lora: f.lora_path for f in FAMILIES.values()}
 
 
 def workflows() -> list[WorkflowSpec]:
-    """Every catalog workflow, family by family."""
-    return [spec for f in FAMILIES.values() for spec in f.module("workflows").workflows()]
+    """Every catalog workflow, family by family, then the trained models' (:mod:`libs.trained`)."""
+    from libs.trained import catalog as trained
+
+    return [
+        spec for f in FAMILIES.values() for spec in f.module("workflows").workflows()
+    ] + trained.workflows()
 
 
 def build(out_root: str | Path) -> dict[str, Path]:
-    """Build every family's random-weight components under ``out_root`` (idempotent)."""
+    """Build every family's random-weight components under ``out_root`` (idempotent), and copy the
+    committed trained checkpoints there (:func:`libs.trained.catalog.install`)."""
+    from libs.trained import catalog as trained
+
     built: dict[str, Path] = {}
     for f in FAMILIES.values():
         built.update(f.module("builder").build(out_root))
+    built.update(trained.install(out_root))
     return built
 
 

@@ -154,12 +154,17 @@ def test_url_responses_serve_the_png_to_its_tenant_only(stack):
     assert e.value.code == 404
 
 
-def test_the_readme_curl_command_returns_another_image(stack, tmp_path):
+def test_the_readme_curl_command_returns_another_image(stack, tiny_models, tmp_path):
+    from libs.trained import catalog  # the launcher's example asks the trained flux-shapes model
+
+    catalog.install(tiny_models)
+    spec = json.loads(encode_spec(catalog.flux_shapes()))
+    assert stack.http("POST", "/v1/workflows", spec, key=KEY)[0] in (200, 201)
     cmd = curl_command(stack.url, str(tmp_path)).replace("sk-t2i-dev", KEY)
     done = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    img = Image.open(tmp_path / "fox.png")
-    assert img.size == (128, 128) and img.format == "PNG"
+    img = Image.open(tmp_path / "squares.png")
+    assert img.size == (64, 64) and img.format == "PNG"
 
 
 def test_bad_requests_between_good_ones_disturb_nothing(stack):

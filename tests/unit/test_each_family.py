@@ -148,7 +148,10 @@ def test_each_family_is_four_modules_of_one_naming_scheme(family: str) -> None:
 
 
 def test_the_catalog_is_every_familys_workflows_and_loras() -> None:
-    assert [w.name for w in families.workflows()] == [w for f in FAMILIES for w in WORKFLOWS[f]]
+    # then the trained models (libs.trained.catalog)
+    assert [w.name for w in families.workflows()] == [w for f in FAMILIES for w in WORKFLOWS[f]] + [
+        "flux-shapes"
+    ]
     assert families.LORAS == {
         "tiny-flux-style": "loras/tiny-flux-style.safetensors",
         "tiny-sd15-style": "loras/tiny-sd15-style.safetensors",
