@@ -6,13 +6,13 @@ residuals of the blocks after it. On this platform consecutive steps may run on 
 and a lost step is re-run by lineage, so that state cannot live in the module. Instead a denoiser
 node, per call:
 
-1. applies the request's cache hooks to its model (``apply_first_block_cache``, what
-   ``enable_cache`` applies; the model is shared by requests, so the hooks exist only for the
-   duration of one call),
+1. makes sure the request's cache hooks are on its model (``apply_first_block_cache``, what
+   ``enable_cache`` applies; applied at the first cached call and kept while cached calls follow,
+   removed by an uncached one),
 2. puts the state it received (its ``cache_state`` input: the previous step's ``cache_state``
    output) into the hooks' state managers,
 3. runs the forward under the pipeline's ``cache_context`` names, exactly as the pipeline does,
-4. takes the state back out as its ``cache_state`` output, and disables the cache.
+4. takes the state back out as its ``cache_state`` output.
 
 The hooks are diffusers' own, so a cached request equals the pipeline with the same hook enabled
 bit for bit, wherever its steps ran. With caching off (``cache=""``) no hook is applied and the
@@ -191,9 +191,12 @@ def export_state(model: Any) -> list[torch.Tensor]:
 
 
 def import_state(model: Any, state: list[torch.Tensor], device: Any) -> None:
-    """Put a state :func:`export_state` gave into the freshly enabled hooks of ``model``."""
-    if not state:
-        return  # the first step: fresh state, as the pipeline's first step
+    """Put a state :func:`export_state` gave into the hooks of ``model``, replacing whatever state
+    they hold (another request's, or this request's from a step run elsewhere)."""
+    if not state:  # the first step: fresh state, as the pipeline's first step
+        for manager in _state_managers(model):
+            _contexts(manager).clear()
+        return
     header, tensors = state[0], list(state[1:])
     try:
         managers = json.loads(bytes(header.to("cpu", dtype=header.dtype).numpy().tobytes()).decode())
@@ -235,24 +238,56 @@ def _remove(model: Any) -> None:
     registry.invalidate_child_registries_cache()
 
 
+_INSTALLED = "_t2i_step_cache"  # our attribute on a model: the CacheSpec its hooks were applied with
+
+
+def _install(model: Any, spec: CacheSpec | None) -> None:
+    """Leave ``model`` hooked for ``spec`` (None: unhooked). Hooks stay between calls, so a run of
+    cached steps pays for applying them once; only a change of method, or an uncached call after
+    cached ones, applies or removes them. A change of threshold is set on the head hooks."""
+    current = getattr(model, _INSTALLED, None)
+    if current == spec:
+        return
+    if spec is None or current is None or current.method != spec.method:
+        if current is not None:
+            _remove(model)
+            setattr(model, _INSTALLED, None)
+        if spec is not None:
+            _apply(model, spec)
+            setattr(model, _INSTALLED, spec)
+        return
+    from diffusers.hooks import HookRegistry
+    from diffusers.hooks.first_block_cache import FBCHeadBlockHook
+
+    registry = HookRegistry.check_if_exists_or_initialize(model)
+    for child in (registry, *registry._get_child_registries()):  # noqa: SLF001 - see _state_managers
+        for hook in child.hooks.values():
+            if isinstance(hook, FBCHeadBlockHook):
+                hook.threshold = spec.threshold
+    setattr(model, _INSTALLED, spec)
+
+
 @contextmanager
 def step_cache(model: Any, inputs: dict[str, Any], out: dict[str, Any]) -> Iterator[None]:
     """Run the body (the forwards of one denoising step) with the request's cache on ``model``,
     its state taken from ``inputs["cache_state"]`` and left in ``out["cache_state"]`` (an empty
     list with caching off). The body must call the model under its ``cache_context`` with the
-    names the pipeline uses (a pipeline that names none needs one for the hook: ``"cond"``). The hook is diffusers'
-    ``apply_first_block_cache``, which ``enable_cache`` applies on models with ``CacheMixin``."""
+    names the pipeline uses (a pipeline that names none needs one for the hook: ``"cond"``). The
+    hook is diffusers' ``apply_first_block_cache``, which ``enable_cache`` applies on models with
+    ``CacheMixin``; it stays on the model between calls (:func:`_install`), its state replaced by
+    each call's input, so no state leaks from one request (or step) into another."""
     spec = cache_spec(inputs)
+    if spec is not None and not supports_caching(model):
+        raise ValueError(f"{type(model).__name__}: diffusers' First-Block-Cache cannot hook its blocks")
+    _install(model, spec)
     if spec is None:
         out["cache_state"] = []
         yield
         return
-    if not supports_caching(model):
-        raise ValueError(f"{type(model).__name__}: diffusers' First-Block-Cache cannot hook its blocks")
-    _apply(model, spec)
     try:
         import_state(model, list(inputs.get("cache_state") or []), next(model.parameters()).device)
         yield
         out["cache_state"] = export_state(model)
-    finally:
-        _remove(model)
+    except BaseException:
+        _install(model, None)  # a failed call leaves no half-updated state behind
+        raise

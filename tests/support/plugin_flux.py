@@ -35,7 +35,7 @@ def inverted_flux() -> Any:
         init = prep()
         latents = wf.loop(
             "num_inference_steps",
-            lambda step, latents: euler(noise_pred=flux(latents=latents), latents=latents),
+            lambda step, latents: euler(noise_pred=flux(latents=latents).noise_pred, latents=latents),
             latents=init.latents,
         )
         wf.output("image", invert(image=vae(latents=latents)))

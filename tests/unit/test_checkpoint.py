@@ -58,10 +58,14 @@ COMPONENTS = [
     ("tiny-qwenimage", "text_encoder"),
     ("tiny-qwenimage", "transformer"),
     ("tiny-qwenimage", "vae"),
+    ("tiny-qwenimage-controlnet", "controlnet"),
 ]
 # What a family's node loads a component under (the Qwen-Image transformer's RoPE tables are plain
 # tensors, computed on the CPU: libs.models.qwenimage_loading).
-LOAD_CONTEXTS = {("tiny-qwenimage", "transformer"): "libs.models.qwenimage_loading:rope_tables_on_cpu"}
+LOAD_CONTEXTS = {
+    ("tiny-qwenimage", "transformer"): "libs.models.qwenimage_loading:rope_tables_on_cpu",
+    ("tiny-qwenimage-controlnet", "controlnet"): "libs.models.qwenimage_loading:rope_tables_on_cpu",
+}
 
 
 def _id(c: tuple[str, str | None]) -> str:

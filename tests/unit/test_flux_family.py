@@ -162,6 +162,10 @@ def test_tiny_flux_is_the_first_family_workflow_and_binds_none_of_the_optional_i
         "pooled_prompt_embeds",
         "text_ids",
         "latent_image_ids",
+        # step caching (libs.models.stepcache): its parameters and the state the loop carries
+        "cache",
+        "cache_threshold",
+        "cache_state",
     }
 
 
